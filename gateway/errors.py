@@ -1,0 +1,121 @@
+"""The gateway's errors, and their one mapping onto OpenAI's error JSON.
+
+Every error a client can see is a :class:`GatewayError`:
+
+    GatewayError                     (500 api_error)
+    ├── BadRequest                   (400 invalid_request_error)
+    │   └── PayloadTooLarge          (413 invalid_request_error)
+    ├── NotFound                     (404 invalid_request_error: no such route)
+    │   └── ModelNotFound            (404 invalid_request_error, code model_not_found)
+    ├── Overloaded                   (429 rate_limit_exceeded, Retry-After)
+    ├── NoWorker                     (503 service_unavailable)
+    ├── UpstreamFailed               (502 api_error: a worker died or broke mid-request)
+    └── Timeout                      (504 timeout)
+
+A ``Failed`` message from a worker becomes the subclass for its status via
+:func:`from_status`. The body is OpenAI's:
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import msgspec
+
+
+class GatewayError(Exception):
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "api_error"
+    code: ClassVar[str | None] = None
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def json(self) -> bytes:
+        return msgspec.json.encode(self.body())
+
+
+class BadRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class PayloadTooLarge(BadRequest):
+    status = 413
+
+
+class NotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+    @classmethod
+    def for_model(cls, model: str) -> ModelNotFound:
+        return cls(f"The model `{model}` does not exist.", "model")
+
+
+class Overloaded(GatewayError):
+    status = 429
+    type = "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)}
+
+
+class NoWorker(GatewayError):
+    status = 503
+    type = "service_unavailable"
+
+
+class UpstreamFailed(GatewayError):
+    status = 502
+
+
+class Timeout(GatewayError):
+    status = 504
+    type = "timeout"
+
+
+_BY_STATUS: dict[int, type[GatewayError]] = {
+    400: BadRequest,
+    404: ModelNotFound,
+    413: PayloadTooLarge,
+    502: UpstreamFailed,
+    503: NoWorker,
+    504: Timeout,
+}
+
+
+def from_status(status: int, message: str, param: str | None = None) -> GatewayError:
+    """The error for a worker's ``Failed(status, ...)``."""
+    if status == 429:
+        return Overloaded(message)
+    if status == 404 and param != "model":
+        return NotFound(message, param)
+    cls = _BY_STATUS.get(status)
+    if cls is None:
+        cls = BadRequest if 400 <= status < 500 else GatewayError
+    return cls(message, param)

@@ -1,0 +1,132 @@
+"""OpenAI request bodies, as msgspec structs: what the gateway checks before routing.
+
+The gateway validates the fields it must understand (types, ranges, the
+model name, the stream flags) and forwards the body as it came, so vLLM
+extension fields it does not model (``structured_outputs``,
+``chat_template_kwargs``, ...) reach the worker, where vLLM's own request
+types interpret them. Unknown fields are accepted and ignored here.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+
+from gateway.errors import BadRequest
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+
+# The most choices one request may ask for (OpenAI's own limit is 128).
+MAX_N = 128
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    """Fields common to both endpoints."""
+
+    model: str
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extensions.
+    top_k: int | None = None
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    min_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    # A string, a list of strings, a list of token ids, or a list of such lists.
+    prompt: str | list[str | int | list[int]]
+    echo: bool = False
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    best_of: PositiveInt | None = None
+    suffix: str | None = None
+
+    def __post_init__(self) -> None:
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        kinds = {type(item) for item in prompt}
+        if len(kinds) > 1:
+            raise ValueError("prompt must be a string, a list of strings, a list of "
+                             "token ids, or a list of token-id lists, not a mix")
+        if isinstance(prompt[0], list) and not all(prompt):
+            raise ValueError("prompt token-id lists must not be empty")
+
+
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: ChatRole
+    # Text, or OpenAI content parts ({"type": "text", "text": ...}, ...);
+    # None is allowed for assistant messages that carry tool calls.
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.messages:
+            raise ValueError("messages must contain at least one message")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    """The JSON object in ``body``; 400 for anything else."""
+    try:
+        value = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"The request body is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise BadRequest("The request body must be a JSON object.")
+    return value
+
+
+def validate(raw: dict[str, Any], schema: type[T]) -> T:
+    """``raw`` as ``schema``; 400 naming the field at fault."""
+    try:
+        return msgspec.convert(raw, schema, strict=True)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        param = None
+        if " - at `$." in message:
+            message, _, path = message.partition(" - at `$.")
+            param = path.rstrip("`")
+            message = f"Invalid value for '{param}': {message}"
+        raise BadRequest(message, param) from exc

@@ -1,0 +1,80 @@
+"""ZeroMQ links from this gateway process to the workers: one DEALER socket each.
+
+A link only moves messages: it encodes what it is given, and hands every
+decoded message it receives to a callback. What the messages mean is the
+pool's business (``gateway.pool``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from shared import protocol
+
+log = logging.getLogger(__name__)
+
+OnMessage = Callable[["WorkerLink", protocol.ToGateway], None]
+
+
+class WorkerLink:
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, identity: bytes,
+                 on_message: OnMessage) -> None:
+        self.address = address
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IDENTITY, identity)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        self.sock.setsockopt(zmq.SNDHWM, 100_000)
+        self.sock.setsockopt(zmq.RCVHWM, 100_000)
+        # Fail fast instead of queueing for a worker that is not connected yet:
+        # the pool only sends to workers it has heard from.
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        self.sock.connect(address)
+        self._encoder = protocol.encoder()
+        self._decoder = protocol.gateway_decoder()
+        self._on_message = on_message
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._receive_loop(), name=f"link {self.address}")
+
+    def send(self, message: protocol.ToWorker) -> bool:
+        """Queue ``message`` for the worker; False if it cannot be sent now."""
+        try:
+            self.sock.send(self._encoder.encode(message), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            log.warning("send to %s failed: %s", self.address, exc)
+            return False
+        return True
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frame = await self.sock.recv(copy=False)
+            try:
+                message = self._decoder.decode(frame.buffer)
+            except msgspec.DecodeError as exc:
+                log.warning("dropping an undecodable frame from %s: %s", self.address, exc)
+                continue
+            try:
+                self._on_message(self, message)
+            except Exception:
+                log.exception("handling a message from %s failed", self.address)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self.sock.close(0)

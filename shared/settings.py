@@ -1,0 +1,146 @@
+"""Settings: one struct per process kind, read from CLI flags and ``LLMGATE_*`` env.
+
+Each field becomes a flag ``--field-name`` and an environment variable
+``LLMGATE_FIELD_NAME``; precedence is flag, then environment, then the
+default. The help text lives next to the field (``Annotated`` meta), and the
+README's settings table is written from the same source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Annotated, Any, TypeVar, get_args, get_origin, get_type_hints
+
+import msgspec
+
+ENV_PREFIX = "LLMGATE_"
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+
+
+def _help(text: str) -> msgspec.Meta:
+    return msgspec.Meta(description=text)
+
+
+class GatewaySettings(msgspec.Struct, kw_only=True):
+    workers: Annotated[
+        str,
+        _help("comma-separated worker addresses, e.g. tcp://127.0.0.1:5550,tcp://gpu1:5550"),
+    ] = "tcp://127.0.0.1:5550"
+    host: Annotated[str, _help("HTTP listen address")] = "127.0.0.1"
+    port: Annotated[int, _help("HTTP listen port")] = 8000
+    heartbeat_interval: Annotated[float, _help("seconds between gateway pings")] = 1.0
+    heartbeat_timeout: Annotated[
+        float, _help("seconds without a worker heartbeat before it is marked down")
+    ] = 3.0
+    request_timeout: Annotated[
+        float, _help("seconds a request may run before it is aborted with 504 (0 = no limit)")
+    ] = 600.0
+    startup_timeout: Annotated[
+        float, _help("seconds a request waits for a first healthy worker before 503")
+    ] = 5.0
+    log_level: Annotated[str, _help("log level: debug, info, warning, error")] = "info"
+
+
+class WorkerSettings(msgspec.Struct, kw_only=True):
+    bind: Annotated[str, _help("ZeroMQ address the worker's ROUTER socket binds")] = (
+        "tcp://127.0.0.1:5550"
+    )
+    worker_id: Annotated[str, _help("name in heartbeats and logs (default: host:pid)")] = ""
+    heartbeat_interval: Annotated[float, _help("seconds between worker heartbeats")] = 1.0
+    gateway_timeout: Annotated[
+        float,
+        _help("seconds without hearing from a gateway before its requests are aborted"),
+    ] = 10.0
+    # The log level is vLLM's own --log-level flag (DEBUG, INFO, ...).
+
+
+class ServeSettings(msgspec.Struct, kw_only=True):
+    host: Annotated[str, _help("HTTP listen address of the gateway")] = "127.0.0.1"
+    port: Annotated[int, _help("HTTP listen port of the gateway")] = 8000
+    num_workers: Annotated[
+        int, _help("CPU workers to start when no GPU is visible (GPUs: one worker each)")
+    ] = 1
+    worker_base_port: Annotated[
+        int, _help("ZeroMQ port of worker 0; worker i binds base+i on 127.0.0.1")
+    ] = 5550
+    device: Annotated[str, _help("auto, cpu or gpu: where the workers run")] = "auto"
+    restart_backoff_max: Annotated[
+        float, _help("upper bound in seconds of the backoff between worker restarts")
+    ] = 30.0
+    log_level: Annotated[str, _help("log level: debug, info, warning, error")] = "info"
+
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def _base_type(annotation: Any) -> Any:
+    if get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    return annotation
+
+
+def _description(annotation: Any) -> str:
+    for meta in get_args(annotation)[1:] if get_origin(annotation) is Annotated else ():
+        if isinstance(meta, msgspec.Meta) and meta.description:
+            return meta.description
+    return ""
+
+
+def _parse_bool(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {value!r}")
+
+
+def fields(cls: type[msgspec.Struct]) -> list[tuple[str, type, Any, str]]:
+    """(name, type, default, help) for every setting of ``cls``."""
+    hints = get_type_hints(cls, include_extras=True)
+    out = []
+    for field in msgspec.structs.fields(cls):
+        annotation = hints[field.name]
+        out.append((field.name, _base_type(annotation), field.default, _description(annotation)))
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type[msgspec.Struct]) -> None:
+    """Add one flag per field of ``cls``; defaults come from the environment first."""
+    group = parser.add_argument_group(f"{cls.__name__} (flags or {ENV_PREFIX}* variables)")
+    for name, kind, default, help_text in fields(cls):
+        env = env_name(name)
+        text = f"{help_text} [env {env}; default {default!r}]"
+        if kind is bool:
+            group.add_argument(_flag(name), dest=name, type=_parse_bool, nargs="?",
+                               const=True, default=argparse.SUPPRESS, help=text)
+        else:
+            group.add_argument(_flag(name), dest=name, type=kind, default=argparse.SUPPRESS,
+                               help=text)
+
+
+def from_namespace(cls: type[S], namespace: argparse.Namespace) -> S:
+    """Build ``cls`` from parsed flags, falling back to ``LLMGATE_*`` env, then defaults."""
+    values: dict[str, Any] = {}
+    for name, kind, _default, _help_text in fields(cls):
+        if hasattr(namespace, name):
+            values[name] = getattr(namespace, name)
+            continue
+        raw = os.environ.get(env_name(name))
+        if raw is None:
+            continue
+        try:
+            values[name] = _parse_bool(raw) if kind is bool else kind(raw)
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            sys.exit(f"invalid {env_name(name)}={raw!r}: {exc}")
+    return cls(**values)

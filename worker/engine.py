@@ -1,0 +1,190 @@
+"""The worker's model: vLLM's ``AsyncLLM`` plus vLLM's own OpenAI request handling.
+
+We reuse vLLM's pieces rather than re-implement them, so a request means the
+same here as under ``vllm serve``:
+
+* ``AsyncEngineArgs`` parses every vLLM flag;
+* vLLM's pydantic ``CompletionRequest`` / ``ChatCompletionRequest`` validate
+  the body and map it onto ``SamplingParams`` (``worker.sampling``);
+* ``OnlineRenderer`` applies the chat template and tokenizes.
+
+What this module adds is the shape the wire needs: a request's outputs become
+:class:`shared.protocol.Delta` items, one per choice per engine step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from shared import protocol
+from worker import sampling
+from worker.sampling import RequestError
+
+log = logging.getLogger(__name__)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Every vLLM engine flag (``--model``, ``--dtype``, ``--max-model-len``, ...)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    AsyncEngineArgs.add_cli_args(parser)
+
+
+@dataclass
+class PreparedPrompt:
+    engine_input: Any
+    sampling_params: Any
+    prompt_tokens: int
+
+
+class Engine:
+    """One ``AsyncLLM`` and the request handling around it."""
+
+    def __init__(self, namespace: argparse.Namespace) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.renderers.online_renderer import OnlineRenderer
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        engine_args = AsyncEngineArgs.from_cli_args(namespace)
+        self.llm = AsyncLLM.from_engine_args(
+            engine_args, usage_context=UsageContext.OPENAI_API_SERVER
+        )
+        self.model_config = self.llm.model_config
+        self.served_model_names: list[str] = list(
+            self.model_config.served_model_name
+            if isinstance(self.model_config.served_model_name, list)
+            else [self.model_config.served_model_name or self.model_config.model]
+        )
+        self.max_model_len: int = self.model_config.max_model_len
+        self.max_num_seqs: int = self.llm.vllm_config.scheduler_config.max_num_seqs
+        # The model's generation_config.json defaults, as vllm serve applies them.
+        self.default_sampling_params: dict[str, Any] = (
+            self.model_config.get_diff_sampling_param()
+        )
+        self.renderer = OnlineRenderer(
+            self.model_config,
+            self.llm.renderer,
+            request_logger=None,
+            chat_template=None,
+            chat_template_content_format="auto",
+        )
+
+    async def prepare(self, kind: protocol.RequestKind, params: dict[str, Any]) -> list[PreparedPrompt]:
+        """Validate, render and tokenize one request: one entry per prompt."""
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        request = sampling.parse_request(kind, params)
+        if kind == "chat":
+            rendered = await self.renderer.render_chat(request)
+            if isinstance(rendered, ErrorResponse):
+                raise _error_from_response(rendered)
+            _conversation, engine_inputs = rendered
+        else:
+            rendered_cmpl = await self.renderer.render_completion(request)
+            if isinstance(rendered_cmpl, ErrorResponse):
+                raise _error_from_response(rendered_cmpl)
+            engine_inputs = rendered_cmpl
+        prepared = []
+        for engine_input in engine_inputs:
+            prompt_tokens = sampling.prompt_length(self.model_config, engine_input)
+            sampling_params = sampling.to_sampling_params(
+                request, prompt_tokens, self.max_model_len, self.default_sampling_params
+            )
+            prepared.append(PreparedPrompt(engine_input, sampling_params, prompt_tokens))
+        return prepared
+
+    async def run(
+        self, request_id: str, prompts: list[PreparedPrompt]
+    ) -> AsyncIterator[list[protocol.Delta]]:
+        """Run every prompt of one request; yield its deltas as they come.
+
+        Choice ``i`` of prompt ``p`` gets index ``p * n + i``, as in vLLM's
+        completions endpoint. The last item carries the request's usage.
+        """
+        from vllm.utils.async_utils import merge_async_iterators
+
+        generators = [
+            self.llm.generate(p.engine_input, p.sampling_params, f"{request_id}-{i}")
+            for i, p in enumerate(prompts)
+        ]
+        completion_tokens = 0
+        async for prompt_index, output in merge_async_iterators(*generators):
+            n = prompts[prompt_index].sampling_params.n
+            want_logprobs = prompts[prompt_index].sampling_params.logprobs is not None
+            deltas = []
+            for choice in output.outputs:
+                completion_tokens += len(choice.token_ids)
+                deltas.append(
+                    protocol.Delta(
+                        request_id=request_id,
+                        index=prompt_index * n + choice.index,
+                        text=choice.text,
+                        num_tokens=len(choice.token_ids),
+                        logprobs=(
+                            _token_logprobs(choice.token_ids, choice.logprobs)
+                            if want_logprobs and choice.logprobs is not None
+                            else None
+                        ),
+                        finish_reason=choice.finish_reason,
+                        stop_reason=choice.stop_reason,
+                    )
+                )
+            if deltas:
+                yield deltas
+        usage = protocol.Usage(
+            prompt_tokens=sum(p.prompt_tokens for p in prompts),
+            completion_tokens=completion_tokens,
+        )
+        yield [protocol.Delta(request_id=request_id, index=0, usage=usage)]
+
+    async def abort(self, request_id: str, num_prompts: int) -> None:
+        await self.llm.abort([f"{request_id}-{i}" for i in range(num_prompts)])
+
+    def load(self) -> tuple[int, int, float]:
+        """(running, waiting, kv-cache usage) as last reported by the engine core."""
+        running = self.llm.get_num_unfinished_requests()
+        return running, 0, 0.0
+
+    async def check_health(self) -> None:
+        await self.llm.check_health()
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+# vLLM reports -inf for impossible tokens; JSON has no infinity, and vLLM's
+# own server clamps to this value.
+_MIN_LOGPROB = -9999.0
+
+
+def _token_logprobs(token_ids: Iterable[int], logprobs: Iterable[Any]) -> list[protocol.TokenLogprob]:
+    out = []
+    for token_id, step in zip(token_ids, logprobs, strict=False):
+        chosen = step.get(token_id)
+        out.append(
+            protocol.TokenLogprob(
+                token=_token_text(chosen, token_id),
+                logprob=max(chosen.logprob, _MIN_LOGPROB) if chosen else _MIN_LOGPROB,
+                top=[
+                    (_token_text(lp, tid), max(lp.logprob, _MIN_LOGPROB))
+                    for tid, lp in sorted(step.items(), key=lambda kv: kv[1].rank or 0)
+                ],
+            )
+        )
+    return out
+
+
+def _token_text(logprob: Any, token_id: int) -> str:
+    if logprob is not None and logprob.decoded_token is not None:
+        return str(logprob.decoded_token)
+    return f"token_id:{token_id}"
+
+
+def _error_from_response(response: Any) -> RequestError:
+    error = response.error
+    return RequestError(int(error.code), str(error.message), error.param)

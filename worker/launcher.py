@@ -1,0 +1,217 @@
+"""``llmgate serve``: start one worker per GPU (or N CPU workers) and a gateway; supervise.
+
+* GPUs: one worker per visible GPU, each with its own ``CUDA_VISIBLE_DEVICES``.
+* No GPU: ``--num-workers`` CPU workers. With one, vLLM binds its threads as
+  it would under ``vllm serve``; with several, the cores are split evenly and
+  each worker is pinned to its own slice (``VLLM_CPU_OMP_THREADS_BIND``).
+* A worker that exits is restarted with exponential backoff (reset after it
+  has run a minute); so is the gateway.
+* Each child runs in its own process group, so stopping one also stops what
+  it spawned (vLLM's engine-core process). SIGINT/SIGTERM stop them all:
+  SIGTERM first, SIGKILL for whatever is left after the grace period.
+
+Flags the launcher does not know are passed to every worker: they are vLLM
+engine flags (``--model``, ``--dtype``, ``--max-model-len``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from shared import settings
+from shared.logs import setup_logging
+
+log = logging.getLogger("llmgate.launcher")
+
+STOP_GRACE_SECONDS = 15.0
+HEALTHY_RUN_SECONDS = 60.0
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    next_start: float = 0.0
+    backoff: float = field(default=1.0)
+
+    def start(self) -> None:
+        log.info("starting %s: %s", self.name, " ".join(self.argv))
+        self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
+        self.started_at = time.monotonic()
+
+    def signal_group(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def count_gpus() -> int:
+    """GPUs visible to this process (nvidia-smi), without importing torch."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+def cpu_slices(num_workers: int, cores: list[int]) -> list[str]:
+    """Split ``cores`` into ``num_workers`` contiguous slices, as "a-b" ranges."""
+    if num_workers > len(cores):
+        raise ValueError(f"{num_workers} CPU workers need at least as many cores; "
+                         f"this machine gives us {len(cores)}")
+    per = len(cores) // num_workers
+    slices = []
+    for i in range(num_workers):
+        chunk = cores[i * per:(i + 1) * per]
+        slices.append(",".join(str(c) for c in chunk))
+    return slices
+
+
+def plan_workers(serve: settings.ServeSettings, engine_args: list[str]) -> list[Child]:
+    gpus = count_gpus() if serve.device in ("auto", "gpu") else 0
+    if serve.device == "gpu" and gpus == 0:
+        raise SystemExit("--device gpu, but no GPU is visible")
+    base_env = dict(os.environ)
+    children = []
+    if gpus:
+        for i in range(gpus):
+            env = dict(base_env, CUDA_VISIBLE_DEVICES=str(i))
+            children.append(_worker_child(i, serve, engine_args, env))
+        return children
+    cores = sorted(os.sched_getaffinity(0))
+    slices = cpu_slices(serve.num_workers, cores) if serve.num_workers > 1 else [""]
+    for i, cpu_slice in enumerate(slices):
+        env = dict(base_env)
+        if cpu_slice:
+            # Each worker computes on its own cores, with no core held back
+            # for vLLM's front end (it would be taken from the other worker).
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_slice
+            env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        children.append(_worker_child(i, serve, engine_args, env))
+    return children
+
+
+def worker_address(serve: settings.ServeSettings, index: int) -> str:
+    return f"tcp://127.0.0.1:{serve.worker_base_port + index}"
+
+
+def _worker_child(index: int, serve: settings.ServeSettings, engine_args: list[str],
+                  env: dict[str, str]) -> Child:
+    argv = [sys.executable, "-m", "worker.main", "--bind", worker_address(serve, index),
+            "--worker-id", f"worker-{index}", "--log-level", serve.log_level.upper(),
+            *engine_args]
+    return Child(name=f"worker-{index}", argv=argv, env=env)
+
+
+def _gateway_child(serve: settings.ServeSettings, num_workers: int) -> Child:
+    workers = ",".join(worker_address(serve, i) for i in range(num_workers))
+    argv = [sys.executable, "-m", "gateway.main", "--workers", workers, "--host", serve.host,
+            "--port", str(serve.port), "--log-level", serve.log_level]
+    return Child(name="gateway", argv=argv, env=dict(os.environ))
+
+
+class Supervisor:
+    def __init__(self, serve: settings.ServeSettings, children: list[Child]) -> None:
+        self.serve = serve
+        self.children = children
+        self.stopping = False
+
+    def request_stop(self, signum: int, _frame: object) -> None:
+        log.info("received %s: stopping", signal.Signals(signum).name)
+        self.stopping = True
+
+    def run(self) -> int:
+        signal.signal(signal.SIGINT, self.request_stop)
+        signal.signal(signal.SIGTERM, self.request_stop)
+        for child in self.children:
+            child.start()
+        try:
+            while not self.stopping:
+                self._check_children()
+                time.sleep(0.2)
+        finally:
+            self._stop_all()
+        return 0
+
+    def _check_children(self) -> None:
+        now = time.monotonic()
+        for child in self.children:
+            if child.proc is None:
+                if now >= child.next_start:
+                    child.start()
+                continue
+            code = child.proc.poll()
+            if code is None:
+                continue
+            # Whatever it spawned goes with it, or a new engine would compete
+            # with an orphaned old one for memory and cores.
+            child.signal_group(signal.SIGKILL)
+            ran = now - child.started_at
+            child.backoff = 1.0 if ran > HEALTHY_RUN_SECONDS else min(
+                child.backoff * 2, self.serve.restart_backoff_max)
+            child.restarts += 1
+            child.next_start = now + child.backoff
+            child.proc = None
+            log.warning("%s exited with %s after %.0fs; restart %d in %.0fs", child.name, code,
+                        ran, child.restarts, child.backoff)
+
+    def _stop_all(self) -> None:
+        running = [c for c in self.children if c.proc is not None and c.proc.poll() is None]
+        for child in running:
+            child.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for child in running:
+            assert child.proc is not None
+            try:
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in time: killing it", child.name)
+        # SIGKILL the groups in any case: it reaps grandchildren a clean exit left.
+        for child in self.children:
+            child.signal_group(signal.SIGKILL)
+            if child.proc is not None:
+                child.proc.wait()
+        log.info("all processes stopped")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmgate serve",
+        description="Start workers and a gateway and keep them running. "
+                    "Unknown flags are passed to every worker (vLLM engine flags).",
+    )
+    settings.add_arguments(parser, settings.ServeSettings)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    namespace, engine_args = build_parser().parse_known_args(argv)
+    serve = settings.from_namespace(settings.ServeSettings, namespace)
+    setup_logging(serve.log_level)
+    workers = plan_workers(serve, engine_args)
+    children = [*workers, _gateway_child(serve, len(workers))]
+    sys.exit(Supervisor(serve, children).run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""``llmgate worker``: one worker process (one GPU, or a set of CPU cores).
+
+Takes our worker settings plus every vLLM engine flag. Without ``--model``
+it serves the embedded SmolLM2-135M-Instruct (converted on first use) in
+float32 under the name ``smollm2-135m-instruct``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from shared import settings
+from shared.logs import setup_logging
+
+log = logging.getLogger(__name__)
+
+# vLLM's CPU backend otherwise sizes its KV cache from the node's memory and
+# takes most of it, so a second engine on the same machine cannot start.
+# GiB; ignored on GPUs.
+DEFAULT_CPU_KVCACHE_GIB = "1"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from worker.engine import add_engine_args
+
+    parser = FlexibleArgumentParser(
+        prog="llmgate worker",
+        description="Run one vLLM worker behind a ZeroMQ ROUTER socket.",
+    )
+    settings.add_arguments(parser, settings.WorkerSettings)
+    add_engine_args(parser)
+    # None means "the embedded model": vLLM's own default would download one.
+    parser.set_defaults(model=None)
+    return parser
+
+
+def apply_embedded_model_defaults(namespace: argparse.Namespace) -> None:
+    """Point vLLM at the embedded model when no ``--model`` was given."""
+    if namespace.model is not None:
+        return
+    from worker.embedded_model import SERVED_MODEL_NAME, ensure_model
+
+    namespace.model = str(ensure_model())
+    if not namespace.served_model_name:
+        namespace.served_model_name = [SERVED_MODEL_NAME]
+    # bfloat16 flips this small model's greedy answers on near-ties on CPU;
+    # float32 keeps them right. `--dtype bfloat16` trades that for speed.
+    if namespace.dtype == "auto":
+        namespace.dtype = "float32"
+
+
+def main(argv: list[str] | None = None) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
+    parser = build_parser()
+    namespace = parser.parse_args(argv)
+    worker_settings = settings.from_namespace(settings.WorkerSettings, namespace)
+    setup_logging(getattr(namespace, "log_level", None) or "info")
+    apply_embedded_model_defaults(namespace)
+
+    from worker.engine import Engine
+    from worker.server import WorkerServer
+
+    async def run() -> None:
+        engine = Engine(namespace)
+        try:
+            await WorkerServer(worker_settings, engine).serve()
+        finally:
+            engine.shutdown()
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass
+    log.info("worker stopped")
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""The worker's ZeroMQ loop: ROUTER socket in front of one :class:`worker.engine.Engine`.
+
+Each ``Generate`` runs as its own asyncio task. Tasks do not send frames
+themselves: they append their deltas to an outbox per gateway, and one
+flush, scheduled with ``call_soon``, sends everything that piled up in this
+turn of the event loop as one ``Deltas`` frame. vLLM's output handler wakes
+every request of an engine step in the same turn, so the frame rate follows
+the engine's step rate, not tokens times requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from shared import protocol
+from shared.settings import WorkerSettings
+from worker.engine import Engine, PreparedPrompt
+from worker.sampling import RequestError
+
+log = logging.getLogger(__name__)
+
+# Identity frame of the gateway a request came from.
+Identity = bytes
+
+
+@dataclass
+class _Running:
+    identity: Identity
+    task: asyncio.Task[None]
+    num_prompts: int = 0
+
+
+@dataclass
+class _Gateway:
+    last_seen: float
+    outbox: list[protocol.Delta] = field(default_factory=list)
+
+
+class WorkerServer:
+    def __init__(self, settings: WorkerSettings, engine: Engine) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.worker_id = settings.worker_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.incarnation = uuid.uuid4().hex
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        self.sock.setsockopt(zmq.SNDHWM, 100_000)
+        self.sock.setsockopt(zmq.RCVHWM, 100_000)
+        # A gateway that vanished must not block us: drop what cannot be routed.
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.encoder = protocol.encoder()
+        self.decoder = protocol.worker_decoder()
+        self.requests: dict[str, _Running] = {}
+        self.gateways: dict[Identity, _Gateway] = {}
+        self._flush_scheduled = False
+        self.draining = False
+        self._stop = asyncio.Event()
+
+    # -- lifecycle ---------------------------------------------------------
+
+    async def serve(self) -> None:
+        self.sock.bind(self.settings.bind)
+        log.info("worker %s bound %s, serving %s", self.worker_id, self.settings.bind,
+                 self.engine.served_model_names)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._stop.set)
+        tasks = [
+            asyncio.create_task(self._receive_loop(), name="receive"),
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+        ]
+        try:
+            await self._stop.wait()
+        finally:
+            for task in tasks:
+                task.cancel()
+            for running in list(self.requests.values()):
+                running.task.cancel()
+            self.sock.close(0)
+            self.ctx.term()
+
+    # -- receiving ---------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            if len(frames) != 2:
+                log.warning("dropping a message of %d frames", len(frames))
+                continue
+            identity = bytes(frames[0].buffer)
+            try:
+                message = self.decoder.decode(frames[1].buffer)
+            except msgspec.DecodeError as exc:
+                log.warning("dropping an undecodable frame from %r: %s", identity, exc)
+                continue
+            gateway = self.gateways.get(identity)
+            if gateway is None:
+                gateway = self.gateways[identity] = _Gateway(last_seen=time.monotonic())
+                # Say hello at once so a new gateway need not wait a heartbeat period.
+                self._send(identity, self._heartbeat())
+            gateway.last_seen = time.monotonic()
+            if isinstance(message, protocol.Generate):
+                self._start(identity, message)
+            elif isinstance(message, protocol.Abort):
+                for request_id in message.request_ids:
+                    self._cancel(request_id)
+            # Ping only refreshes last_seen.
+
+    def _start(self, identity: Identity, message: protocol.Generate) -> None:
+        if message.request_id in self.requests:
+            self._fail(identity, message.request_id, 400, "duplicate request id")
+            return
+        if message.model not in self.engine.served_model_names:
+            self._fail(identity, message.request_id, 404,
+                       f"The model `{message.model}` does not exist.", "model")
+            return
+        if self.draining:
+            self._fail(identity, message.request_id, 503, "worker is draining")
+            return
+        task = asyncio.create_task(self._run(identity, message), name=message.request_id)
+        self.requests[message.request_id] = _Running(identity, task)
+
+    def _cancel(self, request_id: str) -> None:
+        running = self.requests.get(request_id)
+        if running is not None:
+            running.task.cancel()
+
+    # -- running one request ----------------------------------------------
+
+    async def _run(self, identity: Identity, message: protocol.Generate) -> None:
+        request_id = message.request_id
+        running = self.requests[request_id]
+        prompts: list[PreparedPrompt] = []
+        try:
+            prompts = await self.engine.prepare(message.kind, message.params)
+            running.num_prompts = len(prompts)
+            timeout = message.deadline - time.time() if message.deadline else None
+            if timeout is not None and timeout <= 0:
+                raise RequestError(504, "request deadline passed before it started")
+            async with asyncio.timeout(timeout):
+                async for deltas in self.engine.run(request_id, prompts):
+                    self._queue(identity, deltas)
+        except RequestError as exc:
+            self._fail(identity, request_id, exc.status, exc.message, exc.param)
+        except TimeoutError:
+            self._fail(identity, request_id, 504, "request timed out")
+        except asyncio.CancelledError:
+            # Aborted by the gateway, or shutting down: vLLM's generate() aborts
+            # its engine requests when cancelled, so no engine time is spent.
+            pass
+        except Exception as exc:  # noqa: BLE001 - an engine error must reach the client
+            status, text, param = _classify_engine_error(exc)
+            if status >= 500:
+                log.exception("request %s failed", request_id)
+            self._fail(identity, request_id, status, text, param)
+        finally:
+            self.requests.pop(request_id, None)
+
+    # -- sending -----------------------------------------------------------
+
+    def _queue(self, identity: Identity, deltas: list[protocol.Delta]) -> None:
+        gateway = self.gateways.get(identity)
+        if gateway is None:
+            return
+        gateway.outbox.extend(deltas)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        for identity, gateway in self.gateways.items():
+            if gateway.outbox:
+                items, gateway.outbox = gateway.outbox, []
+                self._send(identity, protocol.Deltas(items=items))
+
+    def _fail(self, identity: Identity, request_id: str, status: int, message: str,
+              param: str | None = None) -> None:
+        # Deltas queued before the failure go first, so the order holds.
+        self._flush()
+        self._send(identity, protocol.Failed(request_id, status, message, param))
+
+    def _send(self, identity: Identity, message: protocol._Message) -> None:
+        try:
+            self.sock.send_multipart([identity, self.encoder.encode(message)], copy=False)
+        except zmq.ZMQError as exc:
+            log.warning("send to %r failed: %s", identity, exc)
+
+    # -- heartbeats and dead gateways -------------------------------------
+
+    def _heartbeat(self) -> protocol.Heartbeat:
+        running, waiting, kv_usage = self.engine.load()
+        return protocol.Heartbeat(
+            worker_id=self.worker_id,
+            incarnation=self.incarnation,
+            models=self.engine.served_model_names,
+            running=running,
+            waiting=waiting,
+            kv_cache_usage=kv_usage,
+            capacity=self.engine.max_num_seqs,
+            max_model_len=self.engine.max_model_len,
+            draining=self.draining,
+        )
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval)
+            now = time.monotonic()
+            for identity, gateway in list(self.gateways.items()):
+                if now - gateway.last_seen > self.settings.gateway_timeout:
+                    self._forget_gateway(identity)
+                else:
+                    self._send(identity, self._heartbeat())
+
+    def _forget_gateway(self, identity: Identity) -> None:
+        """The gateway is gone: nobody will read its requests' output, so abort them."""
+        orphans = [rid for rid, r in self.requests.items() if r.identity == identity]
+        log.warning("gateway %r silent for %.0fs: aborting %d requests", identity,
+                    self.settings.gateway_timeout, len(orphans))
+        for request_id in orphans:
+            self._cancel(request_id)
+        del self.gateways[identity]
+
+
+def _classify_engine_error(exc: Exception) -> tuple[int, str, str | None]:
+    """(HTTP status, message, parameter) for an exception out of vLLM.
+
+    vLLM raises its client errors (and plain ValueErrors for bad input) from
+    inside ``generate``; those are the client's 400s, anything else is ours.
+    """
+    from vllm.exceptions import VLLMClientError, VLLMValidationError
+
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, VLLMValidationError):
+            return 400, str(cause), cause.parameter
+        if isinstance(cause, VLLMClientError | ValueError):
+            return 400, str(cause), None
+        cause = cause.__cause__
+    return 500, f"engine error: {type(exc).__name__}: {exc}", None
