@@ -44,7 +44,7 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 RequestKind = Literal["completion", "chat"]
 
 
-class _Message(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag_field="k"):
+class _Message(msgspec.Struct, array_like=True, gc=False, tag_field="k"):
     """Base of every wire message (tag first, then the fields in order)."""
 
 
@@ -88,7 +88,7 @@ class Usage(msgspec.Struct, array_like=True, gc=False):
     completion_tokens: int
 
 
-class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class Delta(msgspec.Struct, array_like=True, gc=False):
     """New output of one choice of one request since the previous frame."""
 
     request_id: str

@@ -1,0 +1,84 @@
+"""Request bodies: what the gateway refuses before any worker sees it, and how."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gateway import errors, schemas
+
+
+def completion(**fields: Any) -> dict[str, Any]:
+    return {"model": "m", "prompt": "hi", **fields}
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+@pytest.mark.parametrize("prompt", ["text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])
+def test_every_openai_prompt_form_is_accepted(prompt: Any) -> None:
+    assert schemas.validate(completion(prompt=prompt), schemas.CompletionRequest).prompt == prompt
+
+
+@pytest.mark.parametrize("prompt", [[], ["a", 1], [[1], "b"], [[]], 5, None])
+def test_bad_prompts_are_refused(prompt: Any) -> None:
+    with pytest.raises(errors.BadRequest):
+        schemas.validate(completion(prompt=prompt), schemas.CompletionRequest)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", 0), ("max_tokens", "ten"), ("temperature", -1), ("temperature", 2.5),
+    ("top_p", 0), ("top_p", 1.5), ("n", 0), ("n", 1000), ("presence_penalty", 3),
+    ("frequency_penalty", -3), ("stop", 5), ("stream", "yes"), ("logprobs", 50),
+    ("seed", 1.5),
+])
+def test_bad_fields_name_themselves(field: str, value: Any) -> None:
+    with pytest.raises(errors.BadRequest) as info:
+        schemas.validate(completion(**{field: value}), schemas.CompletionRequest)
+    assert info.value.param == field
+    assert info.value.status == 400
+
+
+def test_unknown_fields_are_ignored() -> None:
+    body = schemas.validate(completion(whatever={"x": 1}), schemas.CompletionRequest)
+    assert body.model == "m"
+
+
+def test_missing_model_is_refused() -> None:
+    with pytest.raises(errors.BadRequest, match="model"):
+        schemas.validate({"prompt": "hi"}, schemas.CompletionRequest)
+
+
+@pytest.mark.parametrize("messages", [[], "hi", [{"content": "hi"}],
+                                      [{"role": "wizard", "content": "hi"}]])
+def test_bad_messages_are_refused(messages: Any) -> None:
+    with pytest.raises(errors.BadRequest):
+        schemas.validate(chat(messages=messages), schemas.ChatCompletionRequest)
+
+
+def test_content_parts_are_accepted() -> None:
+    parts = [{"type": "text", "text": "hello"}]
+    body = schemas.validate(chat(messages=[{"role": "user", "content": parts}]),
+                            schemas.ChatCompletionRequest)
+    assert body.messages[0].content == parts
+
+
+def test_top_logprobs_needs_logprobs() -> None:
+    with pytest.raises(errors.BadRequest):
+        schemas.validate(chat(top_logprobs=2), schemas.ChatCompletionRequest)
+
+
+def test_include_usage_only_when_streaming() -> None:
+    options = {"include_usage": True}
+    assert schemas.validate(chat(stream=True, stream_options=options),
+                            schemas.ChatCompletionRequest).include_usage
+    assert not schemas.validate(chat(stream_options=options),
+                                schemas.ChatCompletionRequest).include_usage
+
+
+@pytest.mark.parametrize("body", [b"", b"{", b"[]", b"null", b"\xff"])
+def test_decode_body_refuses_anything_but_an_object(body: bytes) -> None:
+    with pytest.raises(errors.BadRequest):
+        schemas.decode_body(body)

@@ -1,0 +1,68 @@
+"""Deltas become OpenAI's response and chunk shapes."""
+
+from __future__ import annotations
+
+import msgspec
+
+from gateway import sse
+from shared.protocol import Delta, TokenLogprob, Usage
+
+
+def decode_event(data: bytes) -> dict:
+    assert data.startswith(b"data: ") and data.endswith(b"\n\n")
+    return msgspec.json.decode(data[6:-2])
+
+
+def test_completion_body_joins_deltas_per_choice() -> None:
+    builder = sse.Completion("abc", "m", 2, logprobs=None)
+    for delta in [Delta("abc", 0, "Hel"), Delta("abc", 1, "Good"), Delta("abc", 0, "lo", 1, None,
+                  "stop"), Delta("abc", 1, "bye", 1, None, "length")]:
+        builder.add(delta)
+    body = msgspec.json.decode(builder.body(Usage(3, 4)))
+    assert body["object"] == "text_completion" and body["id"] == "cmpl-abc"
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "Hello", "stop"), (1, "Goodbye", "length")]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+
+
+def test_chat_chunks_name_the_role_once_per_choice() -> None:
+    builder = sse.Chat("abc", "m", 1, logprobs=False, top_logprobs=0)
+    first = decode_event(builder.chunk(Delta("abc", 0, "Hi")))
+    second = decode_event(builder.chunk(Delta("abc", 0, "!", finish_reason="stop")))
+    assert first["object"] == "chat.completion.chunk"
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "Hi"}
+    assert second["choices"][0]["delta"] == {"content": "!"}
+    assert second["choices"][0]["finish_reason"] == "stop"
+
+
+def test_usage_chunk_has_no_choices() -> None:
+    chunk = decode_event(sse.Chat("abc", "m", 1, False, 0).usage_chunk(Usage(1, 2)))
+    assert chunk["choices"] == [] and chunk["usage"]["total_tokens"] == 3
+
+
+def test_completion_logprobs_offsets_continue_across_chunks() -> None:
+    builder = sse.Completion("abc", "m", 1, logprobs=1)
+    lp = [TokenLogprob("He", -0.5, [("He", -0.5), ("Ha", -1.0)])]
+    first = decode_event(builder.chunk(Delta("abc", 0, "He", 1, lp)))
+    lp2 = [TokenLogprob("llo", -0.2, [("y", -0.1)])]
+    second = decode_event(builder.chunk(Delta("abc", 0, "llo", 1, lp2)))
+    assert first["choices"][0]["logprobs"]["text_offset"] == [0]
+    assert second["choices"][0]["logprobs"]["text_offset"] == [2]
+    # The top-1 alternative, plus the sampled token when it is not among them.
+    assert second["choices"][0]["logprobs"]["top_logprobs"] == [{"y": -0.1, "llo": -0.2}]
+
+
+def test_chat_logprobs_have_bytes_and_top_n() -> None:
+    builder = sse.Chat("abc", "m", 1, logprobs=True, top_logprobs=1)
+    builder.add(Delta("abc", 0, "é", 1, [TokenLogprob("é", -0.1, [("é", -0.1), ("e", -3.0)])],
+                      "stop"))
+    body = msgspec.json.decode(builder.body(Usage(1, 1)))
+    content = body["choices"][0]["logprobs"]["content"]
+    assert content == [{"token": "é", "logprob": -0.1, "bytes": [195, 169],
+                        "top_logprobs": [{"token": "é", "logprob": -0.1, "bytes": [195, 169]}]}]
+
+
+def test_an_index_beyond_the_expected_choices_does_not_crash() -> None:
+    builder = sse.Completion("abc", "m", 1, logprobs=None)
+    builder.add(Delta("abc", 3, "x"))
+    assert len(msgspec.json.decode(builder.body(Usage(0, 1)))["choices"]) == 4

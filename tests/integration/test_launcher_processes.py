@@ -1,0 +1,85 @@
+"""``llmgate serve`` as processes: what runs, crash restart, and a clean stop.
+
+Slow: starts its own system (and a second engine after the crash), so it
+does not disturb the session's shared one.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.conftest import MODEL, start_serve, stop_serve
+
+pytestmark = pytest.mark.slow
+
+
+def children_by_role(launcher_pid: int) -> dict[str, psutil.Process]:
+    roles = {}
+    for child in psutil.Process(launcher_pid).children():
+        cmdline = " ".join(child.cmdline())
+        if "worker.main" in cmdline:
+            roles["worker"] = child
+        elif "gateway.main" in cmdline:
+            roles["gateway"] = child
+    return roles
+
+
+def complete(base_url: str, timeout: float = 60) -> httpx.Response:
+    return httpx.post(f"{base_url}/v1/completions", timeout=timeout,
+                      json={"model": MODEL, "prompt": "Hello", "max_tokens": 3})
+
+
+def test_crashed_worker_is_restarted_and_stop_leaves_no_process(tmp_path: Path) -> None:
+    served = start_serve(tmp_path / "serve.log")
+    try:
+        launcher = psutil.Process(served.proc.pid)
+        roles = children_by_role(launcher.pid)
+        # One gateway and one worker; the worker runs vLLM's engine core below it.
+        assert sorted(roles) == ["gateway", "worker"]
+        assert len(launcher.children()) == 2
+        assert roles["worker"].children(recursive=True), "no engine-core process"
+        assert complete(served.base_url).status_code == 200
+
+        old_worker = roles["worker"]
+        old_worker.send_signal(signal.SIGKILL)
+        # While the worker is gone nothing hangs: requests fail fast or succeed.
+        started = time.monotonic()
+        during = complete(served.base_url, timeout=30)
+        assert during.status_code in (200, 502, 503), during.text
+        assert time.monotonic() - started < 15
+
+        # The launcher starts a new worker, the gateway takes it in (new
+        # incarnation), and requests succeed again without a gateway restart.
+        gateway_pid = roles["gateway"].pid
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if complete(served.base_url).status_code == 200:
+                break
+            time.sleep(1)
+        else:
+            pytest.fail(f"no successful request after the restart:\n{served.log_tail()}")
+        roles = children_by_role(launcher.pid)
+        assert roles["worker"].pid != old_worker.pid
+        assert roles["gateway"].pid == gateway_pid
+
+        everything = [launcher, *launcher.children(recursive=True)]
+    except BaseException:
+        stop_serve(served)
+        raise
+
+    # Ctrl-C stops it all, engine-core processes included, and exits 0.
+    assert stop_serve(served, signal.SIGINT) == 0
+    alive = []
+    for proc in everything:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    assert not alive, f"left behind: {[(p.pid, p.name()) for p in alive]}"

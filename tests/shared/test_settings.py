@@ -1,0 +1,48 @@
+"""Settings: flag beats environment beats default, for every field."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from shared import settings
+
+
+def parse(cls: type, argv: list[str]) -> object:
+    parser = argparse.ArgumentParser()
+    settings.add_arguments(parser, cls)
+    return settings.from_namespace(cls, parser.parse_args(argv))
+
+
+def test_defaults_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, *_ in settings.fields(settings.GatewaySettings):
+        monkeypatch.delenv(settings.env_name(name), raising=False)
+    gateway = parse(settings.GatewaySettings, [])
+    assert isinstance(gateway, settings.GatewaySettings)
+    assert gateway.port == 8000 and gateway.host == "127.0.0.1"
+
+
+def test_environment_overrides_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMGATE_PORT", "9001")
+    monkeypatch.setenv("LLMGATE_HEARTBEAT_TIMEOUT", "7.5")
+    gateway = parse(settings.GatewaySettings, [])
+    assert gateway.port == 9001 and gateway.heartbeat_timeout == 7.5  # type: ignore[attr-defined]
+
+
+def test_flag_overrides_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMGATE_PORT", "9001")
+    gateway = parse(settings.GatewaySettings, ["--port", "9002"])
+    assert gateway.port == 9002  # type: ignore[attr-defined]
+
+
+def test_bad_environment_value_exits_with_its_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMGATE_PORT", "eighty")
+    with pytest.raises(SystemExit, match="LLMGATE_PORT"):
+        parse(settings.GatewaySettings, [])
+
+
+def test_every_setting_has_help_text() -> None:
+    for cls in (settings.GatewaySettings, settings.WorkerSettings, settings.ServeSettings):
+        for name, _kind, _default, help_text in settings.fields(cls):
+            assert help_text, f"{cls.__name__}.{name} has no help text"
