@@ -30,8 +30,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         finally:
             await pool.stop()
 
-    app = FastAPI(title="llmgate", summary="OpenAI-compatible gateway over vLLM workers",
-                  lifespan=lifespan)
+    app = FastAPI(
+        title="llmgate", summary="OpenAI-compatible gateway over vLLM workers", lifespan=lifespan
+    )
     app.include_router(openai.router)
     app.include_router(health.router)
     app.add_exception_handler(errors.GatewayError, _gateway_error)
@@ -42,8 +43,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
 
 def _render(error: errors.GatewayError) -> Response:
-    return Response(error.json(), status_code=error.status, headers=error.headers(),
-                    media_type="application/json")
+    return Response(
+        error.json(),
+        status_code=error.status,
+        headers=error.headers(),
+        media_type="application/json",
+    )
 
 
 async def _gateway_error(_: Request, exc: Exception) -> Response:
@@ -56,8 +61,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
         return _render(errors.NotFound(f"No route {request.method} {request.url.path}."))
-    error = errors.BadRequest(str(exc.detail)) if exc.status_code < 500 else errors.GatewayError(
-        str(exc.detail))
+    error = (
+        errors.BadRequest(str(exc.detail))
+        if exc.status_code < 500
+        else errors.GatewayError(str(exc.detail))
+    )
     response = _render(error)
     response.status_code = exc.status_code
     return response

@@ -125,13 +125,15 @@ class Pool:
                 return False
         return True
 
-    async def submit(self, kind: protocol.RequestKind, model: str, params: dict[str, object],
-                     deadline: float) -> RequestHandle:
+    async def submit(
+        self, kind: protocol.RequestKind, model: str, params: dict[str, object], deadline: float
+    ) -> RequestHandle:
         worker = await self._select(model)
         request_id = uuid.uuid4().hex
         handle = RequestHandle(self, request_id, worker)
-        message = protocol.Generate(request_id=request_id, model=model, kind=kind,
-                                    params=params, deadline=deadline)
+        message = protocol.Generate(
+            request_id=request_id, model=model, kind=kind, params=params, deadline=deadline
+        )
         if not worker.link.send(message):
             raise errors.NoWorker(f"worker {worker.address} is not reachable")
         self.pending[request_id] = handle
@@ -189,8 +191,12 @@ class Pool:
     def _on_heartbeat(self, worker: WorkerState, beat: protocol.Heartbeat) -> None:
         if beat.protocol_version != protocol.PROTOCOL_VERSION:
             if worker.healthy or not worker.worker_id:
-                log.error("worker %s speaks protocol %d, we speak %d: not using it",
-                          worker.address, beat.protocol_version, protocol.PROTOCOL_VERSION)
+                log.error(
+                    "worker %s speaks protocol %d, we speak %d: not using it",
+                    worker.address,
+                    beat.protocol_version,
+                    protocol.PROTOCOL_VERSION,
+                )
             worker.worker_id = beat.worker_id
             worker.healthy = False
             return
@@ -198,8 +204,9 @@ class Pool:
             log.warning("worker %s restarted (new incarnation)", worker.address)
             self._fail_requests(worker, "The worker serving this request restarted.")
         if not worker.healthy:
-            log.info("worker %s (%s) is up, serving %s", worker.address, beat.worker_id,
-                     beat.models)
+            log.info(
+                "worker %s (%s) is up, serving %s", worker.address, beat.worker_id, beat.models
+            )
         worker.worker_id = beat.worker_id
         worker.incarnation = beat.incarnation
         worker.models = frozenset(beat.models)
@@ -227,11 +234,13 @@ class Pool:
             for worker in self.workers:
                 silent = now - worker.last_heartbeat
                 if worker.healthy and silent > self.settings.heartbeat_timeout:
-                    log.warning("worker %s silent for %.1fs: marking it down", worker.address,
-                                silent)
+                    log.warning(
+                        "worker %s silent for %.1fs: marking it down", worker.address, silent
+                    )
                     worker.healthy = False
-                    self._fail_requests(worker, "The worker serving this request stopped "
-                                                "responding.")
+                    self._fail_requests(
+                        worker, "The worker serving this request stopped responding."
+                    )
             if not self.healthy_workers():
                 self._any_healthy.clear()
 

@@ -77,8 +77,10 @@ class CompletionRequest(_Sampling, kw_only=True):
             raise ValueError("prompt must not be empty")
         kinds = {type(item) for item in prompt}
         if len(kinds) > 1:
-            raise ValueError("prompt must be a string, a list of strings, a list of "
-                             "token ids, or a list of token-id lists, not a mix")
+            raise ValueError(
+                "prompt must be a string, a list of strings, a list of "
+                "token ids, or a list of token-id lists, not a mix"
+            )
         if isinstance(prompt[0], list) and not all(prompt):
             raise ValueError("prompt token-id lists must not be empty")
 

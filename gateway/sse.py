@@ -34,7 +34,7 @@ def usage_json(usage: protocol.Usage) -> dict[str, int]:
 
 
 class _Choice:
-    __slots__ = ("text", "logprobs", "finish_reason", "stop_reason", "offset", "started")
+    __slots__ = ("finish_reason", "logprobs", "offset", "started", "stop_reason", "text")
 
     def __init__(self) -> None:
         self.text: list[str] = []
@@ -74,8 +74,7 @@ class _Response:
         self._choice(delta.index).add(delta)
 
     def _envelope(self, object_name: str) -> dict[str, Any]:
-        return {"id": self.id, "object": object_name, "created": self.created,
-                "model": self.model}
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
 
     def usage_chunk(self, usage: protocol.Usage) -> bytes:
         payload = self._envelope(self.chunk_object_name)
@@ -101,8 +100,7 @@ class Completion(_Response):
     chunk_object_name = "text_completion"
     id_prefix = "cmpl-"
 
-    def __init__(self, request_id: str, model: str, num_choices: int,
-                 logprobs: int | None) -> None:
+    def __init__(self, request_id: str, model: str, num_choices: int, logprobs: int | None) -> None:
         super().__init__(request_id, model, num_choices)
         self.top_n = logprobs
 
@@ -141,13 +139,15 @@ class Completion(_Response):
             logprobs = self._logprobs(delta.logprobs or [], choice.offset)
         choice.offset += len(delta.text)
         payload = self._envelope(self.chunk_object_name)
-        payload["choices"] = [{
-            "index": delta.index,
-            "text": delta.text,
-            "logprobs": logprobs,
-            "finish_reason": delta.finish_reason,
-            "stop_reason": delta.stop_reason,
-        }]
+        payload["choices"] = [
+            {
+                "index": delta.index,
+                "text": delta.text,
+                "logprobs": logprobs,
+                "finish_reason": delta.finish_reason,
+                "stop_reason": delta.stop_reason,
+            }
+        ]
         return event(payload)
 
 
@@ -156,8 +156,9 @@ class Chat(_Response):
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def __init__(self, request_id: str, model: str, num_choices: int, logprobs: bool,
-                 top_logprobs: int) -> None:
+    def __init__(
+        self, request_id: str, model: str, num_choices: int, logprobs: bool, top_logprobs: int
+    ) -> None:
         super().__init__(request_id, model, num_choices)
         self.want_logprobs = logprobs
         self.top_n = top_logprobs
@@ -165,18 +166,20 @@ class Chat(_Response):
     def _logprobs(self, tokens: list[protocol.TokenLogprob]) -> dict[str, Any] | None:
         if not self.want_logprobs:
             return None
-        return {"content": [
-            {
-                "token": t.token,
-                "logprob": t.logprob,
-                "bytes": list(t.token.encode()),
-                "top_logprobs": [
-                    {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
-                    for tok, lp in t.top[: self.top_n]
-                ],
-            }
-            for t in tokens
-        ]}
+        return {
+            "content": [
+                {
+                    "token": t.token,
+                    "logprob": t.logprob,
+                    "bytes": list(t.token.encode()),
+                    "top_logprobs": [
+                        {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
+                        for tok, lp in t.top[: self.top_n]
+                    ],
+                }
+                for t in tokens
+            ]
+        }
 
     def _final_choice(self, index: int, choice: _Choice) -> dict[str, Any]:
         return {
@@ -195,11 +198,13 @@ class Chat(_Response):
             choice.started = True
             message = {"role": "assistant", "content": delta.text}
         payload = self._envelope(self.chunk_object_name)
-        payload["choices"] = [{
-            "index": delta.index,
-            "delta": message,
-            "logprobs": self._logprobs(delta.logprobs or []),
-            "finish_reason": delta.finish_reason,
-            "stop_reason": delta.stop_reason,
-        }]
+        payload["choices"] = [
+            {
+                "index": delta.index,
+                "delta": message,
+                "logprobs": self._logprobs(delta.logprobs or []),
+                "finish_reason": delta.finish_reason,
+                "stop_reason": delta.stop_reason,
+            }
+        ]
         return event(payload)

@@ -23,8 +23,9 @@ OnMessage = Callable[["WorkerLink", protocol.ToGateway], None]
 
 
 class WorkerLink:
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, identity: bytes,
-                 on_message: OnMessage) -> None:
+    def __init__(
+        self, ctx: zmq.asyncio.Context, address: str, identity: bytes, on_message: OnMessage
+    ) -> None:
         self.address = address
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)

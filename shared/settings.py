@@ -122,11 +122,19 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[msgspec.Struct]) ->
         env = env_name(name)
         text = f"{help_text} [env {env}; default {default!r}]"
         if kind is bool:
-            group.add_argument(_flag(name), dest=name, type=_parse_bool, nargs="?",
-                               const=True, default=argparse.SUPPRESS, help=text)
+            group.add_argument(
+                _flag(name),
+                dest=name,
+                type=_parse_bool,
+                nargs="?",
+                const=True,
+                default=argparse.SUPPRESS,
+                help=text,
+            )
         else:
-            group.add_argument(_flag(name), dest=name, type=kind, default=argparse.SUPPRESS,
-                               help=text)
+            group.add_argument(
+                _flag(name), dest=name, type=kind, default=argparse.SUPPRESS, help=text
+            )
 
 
 def from_namespace(cls: type[S], namespace: argparse.Namespace) -> S:

@@ -49,17 +49,26 @@ def start_serve(log_path: Path, *extra: str, env: dict[str, str] | None = None) 
     """Start ``llmgate serve`` on free ports; return once the gateway is ready."""
     port = free_port()
     worker_port = free_port()
-    argv = [sys.executable, "-m", "worker.launcher", "--port", str(port),
-            "--worker-base-port", str(worker_port), "--enforce-eager", *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "worker.launcher",
+        "--port",
+        str(port),
+        "--worker-base-port",
+        str(worker_port),
+        "--enforce-eager",
+        *extra,
+    ]
     log_file = log_path.open("wb")
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+    )
     served = Served(proc=proc, base_url=f"http://127.0.0.1:{port}", log_path=log_path)
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"llmgate serve exited with {proc.returncode}:\n"
-                               f"{served.log_tail()}")
+            raise RuntimeError(f"llmgate serve exited with {proc.returncode}:\n{served.log_tail()}")
         try:
             if httpx.get(f"{served.base_url}/ready", timeout=2).status_code == 200:
                 return served

@@ -82,7 +82,7 @@ def ensure_model(model_dir: Path | None = None) -> Path:
         # a quantization it has no files for.
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]  # saving refuses otherwise
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         _strip_quantization(tmp / "config.json")

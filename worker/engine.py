@@ -27,7 +27,7 @@ from worker.sampling import RequestError
 log = logging.getLogger(__name__)
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: Any) -> None:
     """Every vLLM engine flag (``--model``, ``--dtype``, ``--max-model-len``, ...)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -63,9 +63,7 @@ class Engine:
         self.max_model_len: int = self.model_config.max_model_len
         self.max_num_seqs: int = self.llm.vllm_config.scheduler_config.max_num_seqs
         # The model's generation_config.json defaults, as vllm serve applies them.
-        self.default_sampling_params: dict[str, Any] = (
-            self.model_config.get_diff_sampling_param()
-        )
+        self.default_sampling_params: dict[str, Any] = self.model_config.get_diff_sampling_param()
         self.renderer = OnlineRenderer(
             self.model_config,
             self.llm.renderer,
@@ -74,7 +72,9 @@ class Engine:
             chat_template_content_format="auto",
         )
 
-    async def prepare(self, kind: protocol.RequestKind, params: dict[str, Any]) -> list[PreparedPrompt]:
+    async def prepare(
+        self, kind: protocol.RequestKind, params: dict[str, Any]
+    ) -> list[PreparedPrompt]:
         """Validate, render and tokenize one request: one entry per prompt."""
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
@@ -162,7 +162,9 @@ class Engine:
 _MIN_LOGPROB = -9999.0
 
 
-def _token_logprobs(token_ids: Iterable[int], logprobs: Iterable[Any]) -> list[protocol.TokenLogprob]:
+def _token_logprobs(
+    token_ids: Iterable[int], logprobs: Iterable[Any]
+) -> list[protocol.TokenLogprob]:
     out = []
     for token_id, step in zip(token_ids, logprobs, strict=False):
         chosen = step.get(token_id)

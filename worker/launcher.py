@@ -77,12 +77,14 @@ def count_gpus() -> int:
 def cpu_slices(num_workers: int, cores: list[int]) -> list[str]:
     """Split ``cores`` into ``num_workers`` contiguous slices, as "a-b" ranges."""
     if num_workers > len(cores):
-        raise ValueError(f"{num_workers} CPU workers need at least as many cores; "
-                         f"this machine gives us {len(cores)}")
+        raise ValueError(
+            f"{num_workers} CPU workers need at least as many cores; "
+            f"this machine gives us {len(cores)}"
+        )
     per = len(cores) // num_workers
     slices = []
     for i in range(num_workers):
-        chunk = cores[i * per:(i + 1) * per]
+        chunk = cores[i * per : (i + 1) * per]
         slices.append(",".join(str(c) for c in chunk))
     return slices
 
@@ -115,18 +117,39 @@ def worker_address(serve: settings.ServeSettings, index: int) -> str:
     return f"tcp://127.0.0.1:{serve.worker_base_port + index}"
 
 
-def _worker_child(index: int, serve: settings.ServeSettings, engine_args: list[str],
-                  env: dict[str, str]) -> Child:
-    argv = [sys.executable, "-m", "worker.main", "--bind", worker_address(serve, index),
-            "--worker-id", f"worker-{index}", "--log-level", serve.log_level.upper(),
-            *engine_args]
+def _worker_child(
+    index: int, serve: settings.ServeSettings, engine_args: list[str], env: dict[str, str]
+) -> Child:
+    argv = [
+        sys.executable,
+        "-m",
+        "worker.main",
+        "--bind",
+        worker_address(serve, index),
+        "--worker-id",
+        f"worker-{index}",
+        "--log-level",
+        serve.log_level.upper(),
+        *engine_args,
+    ]
     return Child(name=f"worker-{index}", argv=argv, env=env)
 
 
 def _gateway_child(serve: settings.ServeSettings, num_workers: int) -> Child:
     workers = ",".join(worker_address(serve, i) for i in range(num_workers))
-    argv = [sys.executable, "-m", "gateway.main", "--workers", workers, "--host", serve.host,
-            "--port", str(serve.port), "--log-level", serve.log_level]
+    argv = [
+        sys.executable,
+        "-m",
+        "gateway.main",
+        "--workers",
+        workers,
+        "--host",
+        serve.host,
+        "--port",
+        str(serve.port),
+        "--log-level",
+        serve.log_level,
+    ]
     return Child(name="gateway", argv=argv, env=dict(os.environ))
 
 
@@ -167,13 +190,22 @@ class Supervisor:
             # with an orphaned old one for memory and cores.
             child.signal_group(signal.SIGKILL)
             ran = now - child.started_at
-            child.backoff = 1.0 if ran > HEALTHY_RUN_SECONDS else min(
-                child.backoff * 2, self.serve.restart_backoff_max)
+            child.backoff = (
+                1.0
+                if ran > HEALTHY_RUN_SECONDS
+                else min(child.backoff * 2, self.serve.restart_backoff_max)
+            )
             child.restarts += 1
             child.next_start = now + child.backoff
             child.proc = None
-            log.warning("%s exited with %s after %.0fs; restart %d in %.0fs", child.name, code,
-                        ran, child.restarts, child.backoff)
+            log.warning(
+                "%s exited with %s after %.0fs; restart %d in %.0fs",
+                child.name,
+                code,
+                ran,
+                child.restarts,
+                child.backoff,
+            )
 
     def _stop_all(self) -> None:
         running = [c for c in self.children if c.proc is not None and c.proc.poll() is None]
@@ -198,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmgate serve",
         description="Start workers and a gateway and keep them running. "
-                    "Unknown flags are passed to every worker (vLLM engine flags).",
+        "Unknown flags are passed to every worker (vLLM engine flags).",
     )
     settings.add_arguments(parser, settings.ServeSettings)
     return parser

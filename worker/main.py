@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from worker.engine import add_engine_args
 
-    parser = FlexibleArgumentParser(
+    parser = FlexibleArgumentParser(  # type: ignore[no-untyped-call]
         prog="llmgate worker",
         description="Run one vLLM worker behind a ZeroMQ ROUTER socket.",
     )

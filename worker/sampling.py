@@ -36,7 +36,9 @@ def parse_request(kind: protocol.RequestKind, params: dict[str, Any]) -> Any:
     except pydantic.ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(part) for part in first.get("loc", ())) or None
-        raise RequestError(400, f"{param}: {first.get('msg')}" if param else str(exc), param) from exc
+        raise RequestError(
+            400, f"{param}: {first.get('msg')}" if param else str(exc), param
+        ) from exc
 
 
 def prompt_length(model_config: Any, engine_input: Any) -> int:

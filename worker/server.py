@@ -73,8 +73,12 @@ class WorkerServer:
 
     async def serve(self) -> None:
         self.sock.bind(self.settings.bind)
-        log.info("worker %s bound %s, serving %s", self.worker_id, self.settings.bind,
-                 self.engine.served_model_names)
+        log.info(
+            "worker %s bound %s, serving %s",
+            self.worker_id,
+            self.settings.bind,
+            self.engine.served_model_names,
+        )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._stop.set)
@@ -124,8 +128,13 @@ class WorkerServer:
             self._fail(identity, message.request_id, 400, "duplicate request id")
             return
         if message.model not in self.engine.served_model_names:
-            self._fail(identity, message.request_id, 404,
-                       f"The model `{message.model}` does not exist.", "model")
+            self._fail(
+                identity,
+                message.request_id,
+                404,
+                f"The model `{message.model}` does not exist.",
+                "model",
+            )
             return
         if self.draining:
             self._fail(identity, message.request_id, 503, "worker is draining")
@@ -161,7 +170,7 @@ class WorkerServer:
             # Aborted by the gateway, or shutting down: vLLM's generate() aborts
             # its engine requests when cancelled, so no engine time is spent.
             pass
-        except Exception as exc:  # noqa: BLE001 - an engine error must reach the client
+        except Exception as exc:  # an engine error must reach the client, not vanish
             status, text, param = _classify_engine_error(exc)
             if status >= 500:
                 log.exception("request %s failed", request_id)
@@ -187,8 +196,14 @@ class WorkerServer:
                 items, gateway.outbox = gateway.outbox, []
                 self._send(identity, protocol.Deltas(items=items))
 
-    def _fail(self, identity: Identity, request_id: str, status: int, message: str,
-              param: str | None = None) -> None:
+    def _fail(
+        self,
+        identity: Identity,
+        request_id: str,
+        status: int,
+        message: str,
+        param: str | None = None,
+    ) -> None:
         # Deltas queued before the failure go first, so the order holds.
         self._flush()
         self._send(identity, protocol.Failed(request_id, status, message, param))
@@ -228,8 +243,12 @@ class WorkerServer:
     def _forget_gateway(self, identity: Identity) -> None:
         """The gateway is gone: nobody will read its requests' output, so abort them."""
         orphans = [rid for rid, r in self.requests.items() if r.identity == identity]
-        log.warning("gateway %r silent for %.0fs: aborting %d requests", identity,
-                    self.settings.gateway_timeout, len(orphans))
+        log.warning(
+            "gateway %r silent for %.0fs: aborting %d requests",
+            identity,
+            self.settings.gateway_timeout,
+            len(orphans),
+        )
         for request_id in orphans:
             self._cancel(request_id)
         del self.gateways[identity]

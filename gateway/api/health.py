@@ -15,8 +15,16 @@ router = APIRouter()
 async def health(request: Request) -> Response:
     """The gateway process is up (it may still have no worker)."""
     pool: Pool = request.app.state.pool
-    return Response(_encode({"status": "ok", "healthy_workers": len(pool.healthy_workers()),
-                             "workers": len(pool.workers)}), media_type="application/json")
+    return Response(
+        _encode(
+            {
+                "status": "ok",
+                "healthy_workers": len(pool.healthy_workers()),
+                "workers": len(pool.workers),
+            }
+        ),
+        media_type="application/json",
+    )
 
 
 @router.get("/ready")
@@ -24,5 +32,8 @@ async def ready(request: Request) -> Response:
     """Ready when at least one worker is healthy: 200, else 503."""
     pool: Pool = request.app.state.pool
     healthy = len(pool.healthy_workers())
-    return Response(_encode({"ready": healthy > 0, "healthy_workers": healthy}),
-                    status_code=200 if healthy else 503, media_type="application/json")
+    return Response(
+        _encode({"ready": healthy > 0, "healthy_workers": healthy}),
+        status_code=200 if healthy else 503,
+        media_type="application/json",
+    )

@@ -72,8 +72,13 @@ def _num_prompts(prompt: str | list[Any]) -> int:
     return len(prompt)
 
 
-async def _serve(request: Request, kind: protocol.RequestKind, raw: dict[str, Any],
-                 body: schemas._Sampling, builder: sse._Response) -> Response:
+async def _serve(
+    request: Request,
+    kind: protocol.RequestKind,
+    raw: dict[str, Any],
+    body: schemas._Sampling,
+    builder: sse._Response,
+) -> Response:
     pool = _pool(request)
     timeout = pool.settings.request_timeout or None
     deadline = time.time() + timeout if timeout else 0.0
@@ -119,8 +124,13 @@ async def _collect(handle: RequestHandle, builder: sse._Response, deadline: floa
         handle.close()
 
 
-async def _stream(handle: RequestHandle, builder: sse._Response, first: protocol.Delta,
-                  deadline: float, include_usage: bool) -> AsyncIterator[bytes]:
+async def _stream(
+    handle: RequestHandle,
+    builder: sse._Response,
+    first: protocol.Delta,
+    deadline: float,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
     # Runs inside the response: a client that goes away cancels it here, and
     # the finally clause aborts the request on the worker.
     try:

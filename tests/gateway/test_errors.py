@@ -8,11 +8,19 @@ import pytest
 from gateway import errors
 
 
-@pytest.mark.parametrize("status, cls", [
-    (400, errors.BadRequest), (413, errors.PayloadTooLarge), (429, errors.Overloaded),
-    (502, errors.UpstreamFailed), (503, errors.NoWorker), (504, errors.Timeout),
-    (418, errors.BadRequest), (500, errors.GatewayError),
-])
+@pytest.mark.parametrize(
+    "status, cls",
+    [
+        (400, errors.BadRequest),
+        (413, errors.PayloadTooLarge),
+        (429, errors.Overloaded),
+        (502, errors.UpstreamFailed),
+        (503, errors.NoWorker),
+        (504, errors.Timeout),
+        (418, errors.BadRequest),
+        (500, errors.GatewayError),
+    ],
+)
 def test_worker_failures_map_to_the_error_for_their_status(status: int, cls: type) -> None:
     error = errors.from_status(status, "message")
     assert type(error) is cls
@@ -26,9 +34,14 @@ def test_404_is_model_not_found_only_for_the_model_param() -> None:
 def test_body_is_openai_shaped() -> None:
     error = errors.ModelNotFound.for_model("gpt-9")
     body = msgspec.json.decode(error.json())
-    assert body == {"error": {"message": "The model `gpt-9` does not exist.",
-                              "type": "invalid_request_error", "param": "model",
-                              "code": "model_not_found"}}
+    assert body == {
+        "error": {
+            "message": "The model `gpt-9` does not exist.",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
     assert error.status == 404
 
 

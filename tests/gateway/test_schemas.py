@@ -28,12 +28,25 @@ def test_bad_prompts_are_refused(prompt: Any) -> None:
         schemas.validate(completion(prompt=prompt), schemas.CompletionRequest)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("max_tokens", 0), ("max_tokens", "ten"), ("temperature", -1), ("temperature", 2.5),
-    ("top_p", 0), ("top_p", 1.5), ("n", 0), ("n", 1000), ("presence_penalty", 3),
-    ("frequency_penalty", -3), ("stop", 5), ("stream", "yes"), ("logprobs", 50),
-    ("seed", 1.5),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", 0),
+        ("max_tokens", "ten"),
+        ("temperature", -1),
+        ("temperature", 2.5),
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("n", 0),
+        ("n", 1000),
+        ("presence_penalty", 3),
+        ("frequency_penalty", -3),
+        ("stop", 5),
+        ("stream", "yes"),
+        ("logprobs", 50),
+        ("seed", 1.5),
+    ],
+)
 def test_bad_fields_name_themselves(field: str, value: Any) -> None:
     with pytest.raises(errors.BadRequest) as info:
         schemas.validate(completion(**{field: value}), schemas.CompletionRequest)
@@ -51,8 +64,9 @@ def test_missing_model_is_refused() -> None:
         schemas.validate({"prompt": "hi"}, schemas.CompletionRequest)
 
 
-@pytest.mark.parametrize("messages", [[], "hi", [{"content": "hi"}],
-                                      [{"role": "wizard", "content": "hi"}]])
+@pytest.mark.parametrize(
+    "messages", [[], "hi", [{"content": "hi"}], [{"role": "wizard", "content": "hi"}]]
+)
 def test_bad_messages_are_refused(messages: Any) -> None:
     with pytest.raises(errors.BadRequest):
         schemas.validate(chat(messages=messages), schemas.ChatCompletionRequest)
@@ -60,8 +74,9 @@ def test_bad_messages_are_refused(messages: Any) -> None:
 
 def test_content_parts_are_accepted() -> None:
     parts = [{"type": "text", "text": "hello"}]
-    body = schemas.validate(chat(messages=[{"role": "user", "content": parts}]),
-                            schemas.ChatCompletionRequest)
+    body = schemas.validate(
+        chat(messages=[{"role": "user", "content": parts}]), schemas.ChatCompletionRequest
+    )
     assert body.messages[0].content == parts
 
 
@@ -72,10 +87,12 @@ def test_top_logprobs_needs_logprobs() -> None:
 
 def test_include_usage_only_when_streaming() -> None:
     options = {"include_usage": True}
-    assert schemas.validate(chat(stream=True, stream_options=options),
-                            schemas.ChatCompletionRequest).include_usage
-    assert not schemas.validate(chat(stream_options=options),
-                                schemas.ChatCompletionRequest).include_usage
+    assert schemas.validate(
+        chat(stream=True, stream_options=options), schemas.ChatCompletionRequest
+    ).include_usage
+    assert not schemas.validate(
+        chat(stream_options=options), schemas.ChatCompletionRequest
+    ).include_usage
 
 
 @pytest.mark.parametrize("body", [b"", b"{", b"[]", b"null", b"\xff"])

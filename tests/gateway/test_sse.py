@@ -15,13 +15,19 @@ def decode_event(data: bytes) -> dict:
 
 def test_completion_body_joins_deltas_per_choice() -> None:
     builder = sse.Completion("abc", "m", 2, logprobs=None)
-    for delta in [Delta("abc", 0, "Hel"), Delta("abc", 1, "Good"), Delta("abc", 0, "lo", 1, None,
-                  "stop"), Delta("abc", 1, "bye", 1, None, "length")]:
+    for delta in [
+        Delta("abc", 0, "Hel"),
+        Delta("abc", 1, "Good"),
+        Delta("abc", 0, "lo", 1, None, "stop"),
+        Delta("abc", 1, "bye", 1, None, "length"),
+    ]:
         builder.add(delta)
     body = msgspec.json.decode(builder.body(Usage(3, 4)))
     assert body["object"] == "text_completion" and body["id"] == "cmpl-abc"
     assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
-        (0, "Hello", "stop"), (1, "Goodbye", "length")]
+        (0, "Hello", "stop"),
+        (1, "Goodbye", "length"),
+    ]
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
 
 
@@ -54,12 +60,19 @@ def test_completion_logprobs_offsets_continue_across_chunks() -> None:
 
 def test_chat_logprobs_have_bytes_and_top_n() -> None:
     builder = sse.Chat("abc", "m", 1, logprobs=True, top_logprobs=1)
-    builder.add(Delta("abc", 0, "é", 1, [TokenLogprob("é", -0.1, [("é", -0.1), ("e", -3.0)])],
-                      "stop"))
+    builder.add(
+        Delta("abc", 0, "é", 1, [TokenLogprob("é", -0.1, [("é", -0.1), ("e", -3.0)])], "stop")
+    )
     body = msgspec.json.decode(builder.body(Usage(1, 1)))
     content = body["choices"][0]["logprobs"]["content"]
-    assert content == [{"token": "é", "logprob": -0.1, "bytes": [195, 169],
-                        "top_logprobs": [{"token": "é", "logprob": -0.1, "bytes": [195, 169]}]}]
+    assert content == [
+        {
+            "token": "é",
+            "logprob": -0.1,
+            "bytes": [195, 169],
+            "top_logprobs": [{"token": "é", "logprob": -0.1, "bytes": [195, 169]}],
+        }
+    ]
 
 
 def test_an_index_beyond_the_expected_choices_does_not_crash() -> None:

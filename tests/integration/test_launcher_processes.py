@@ -31,8 +31,11 @@ def children_by_role(launcher_pid: int) -> dict[str, psutil.Process]:
 
 
 def complete(base_url: str, timeout: float = 60) -> httpx.Response:
-    return httpx.post(f"{base_url}/v1/completions", timeout=timeout,
-                      json={"model": MODEL, "prompt": "Hello", "max_tokens": 3})
+    return httpx.post(
+        f"{base_url}/v1/completions",
+        timeout=timeout,
+        json={"model": MODEL, "prompt": "Hello", "max_tokens": 3},
+    )
 
 
 def test_crashed_worker_is_restarted_and_stop_leaves_no_process(tmp_path: Path) -> None:

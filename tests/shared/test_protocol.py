@@ -8,25 +8,44 @@ import pytest
 from shared import protocol
 
 TO_WORKER = [
-    protocol.Generate(request_id="r1", model="m", kind="chat",
-                      params={"messages": [{"role": "user", "content": "hi"}], "n": 2},
-                      deadline=123.5),
+    protocol.Generate(
+        request_id="r1",
+        model="m",
+        kind="chat",
+        params={"messages": [{"role": "user", "content": "hi"}], "n": 2},
+        deadline=123.5,
+    ),
     protocol.Generate(request_id="r2", model="m", kind="completion", params={"prompt": [1, 2]}),
     protocol.Abort(request_ids=["r1", "r2"]),
     protocol.Ping(gateway_id="gw-1", sent_at=1.5),
 ]
 
 TO_GATEWAY = [
-    protocol.Deltas(items=[
-        protocol.Delta(request_id="r1", index=0, text="Hel", num_tokens=1),
-        protocol.Delta(request_id="r1", index=1, text="lo", num_tokens=1, finish_reason="stop",
-                       stop_reason="\n",
-                       logprobs=[protocol.TokenLogprob("lo", -0.1, [("lo", -0.1), ("la", -2.0)])]),
-        protocol.Delta(request_id="r1", index=0, usage=protocol.Usage(5, 2)),
-    ]),
+    protocol.Deltas(
+        items=[
+            protocol.Delta(request_id="r1", index=0, text="Hel", num_tokens=1),
+            protocol.Delta(
+                request_id="r1",
+                index=1,
+                text="lo",
+                num_tokens=1,
+                finish_reason="stop",
+                stop_reason="\n",
+                logprobs=[protocol.TokenLogprob("lo", -0.1, [("lo", -0.1), ("la", -2.0)])],
+            ),
+            protocol.Delta(request_id="r1", index=0, usage=protocol.Usage(5, 2)),
+        ]
+    ),
     protocol.Failed(request_id="r2", status=400, message="bad", param="max_tokens"),
-    protocol.Heartbeat(worker_id="w0", incarnation="abc", models=["m"], running=3, capacity=256,
-                       max_model_len=8192, draining=True),
+    protocol.Heartbeat(
+        worker_id="w0",
+        incarnation="abc",
+        models=["m"],
+        running=3,
+        capacity=256,
+        max_model_len=8192,
+        draining=True,
+    ),
 ]
 
 
@@ -58,12 +77,15 @@ def test_heartbeat_carries_the_protocol_version() -> None:
     assert beat.protocol_version == protocol.PROTOCOL_VERSION
 
 
-@pytest.mark.parametrize("wire", [
-    b"\xc1",                                              # not msgpack
-    msgspec.msgpack.encode(["nope", 1]),                  # unknown kind
-    msgspec.msgpack.encode(["abort", "not-a-list"]),      # wrong field type
-    msgspec.msgpack.encode({"k": "abort"}),               # not an array
-])
+@pytest.mark.parametrize(
+    "wire",
+    [
+        b"\xc1",  # not msgpack
+        msgspec.msgpack.encode(["nope", 1]),  # unknown kind
+        msgspec.msgpack.encode(["abort", "not-a-list"]),  # wrong field type
+        msgspec.msgpack.encode({"k": "abort"}),  # not an array
+    ],
+)
 def test_bad_frames_raise_decode_errors(wire: bytes) -> None:
     with pytest.raises(msgspec.DecodeError):
         protocol.worker_decoder().decode(wire)

@@ -11,17 +11,31 @@ from worker import sampling
 MAX_MODEL_LEN = 8192
 
 
-def params(kind: str, prompt_tokens: int = 5, defaults: dict[str, Any] | None = None,
-           **body: Any) -> Any:
-    base = ({"model": "m", "messages": [{"role": "user", "content": "hi"}]} if kind == "chat"
-            else {"model": "m", "prompt": "hi"})
+def params(
+    kind: str, prompt_tokens: int = 5, defaults: dict[str, Any] | None = None, **body: Any
+) -> Any:
+    base = (
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        if kind == "chat"
+        else {"model": "m", "prompt": "hi"}
+    )
     request = sampling.parse_request(kind, {**base, **body})  # type: ignore[arg-type]
     return sampling.to_sampling_params(request, prompt_tokens, MAX_MODEL_LEN, defaults or {})
 
 
 def test_openai_fields_map_onto_sampling_params() -> None:
-    sp = params("completion", max_tokens=7, temperature=0.5, top_p=0.9, n=3, stop=["\n", "."],
-                seed=42, presence_penalty=0.25, frequency_penalty=-0.5, logprobs=2)
+    sp = params(
+        "completion",
+        max_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        n=3,
+        stop=["\n", "."],
+        seed=42,
+        presence_penalty=0.25,
+        frequency_penalty=-0.5,
+        logprobs=2,
+    )
     assert (sp.max_tokens, sp.temperature, sp.top_p, sp.n, sp.seed) == (7, 0.5, 0.9, 3, 42)
     assert sp.stop == ["\n", "."]
     assert (sp.presence_penalty, sp.frequency_penalty) == (0.25, -0.5)
@@ -29,8 +43,16 @@ def test_openai_fields_map_onto_sampling_params() -> None:
 
 
 def test_vllm_extension_fields_map_too() -> None:
-    sp = params("completion", top_k=5, min_p=0.1, repetition_penalty=1.2, min_tokens=3,
-                ignore_eos=True, stop_token_ids=[7], max_tokens=10)
+    sp = params(
+        "completion",
+        top_k=5,
+        min_p=0.1,
+        repetition_penalty=1.2,
+        min_tokens=3,
+        ignore_eos=True,
+        stop_token_ids=[7],
+        max_tokens=10,
+    )
     assert (sp.top_k, sp.min_p, sp.repetition_penalty, sp.min_tokens) == (5, 0.1, 1.2, 3)
     assert sp.ignore_eos is True and 7 in sp.stop_token_ids
 
@@ -78,10 +100,13 @@ def test_greedy_with_several_choices_is_refused_as_vllm_does() -> None:
     assert info.value.status == 400
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"temperature": "hot"}, "temperature"),
-    ({"max_tokens": "many"}, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"temperature": "hot"}, "temperature"),
+        ({"max_tokens": "many"}, "max_tokens"),
+    ],
+)
 def test_type_errors_are_400_naming_the_field(body: dict[str, Any], param: str) -> None:
     with pytest.raises(sampling.RequestError) as info:
         params("completion", **body)
