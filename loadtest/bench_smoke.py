@@ -207,9 +207,8 @@ async def run_load(target: str, base_url: str, args: argparse.Namespace) -> Resu
             while (sent := time.perf_counter()) < deadline:
                 try:
                     response = await client.post("/v1/completions", json=payload)
-                    outcome = (
-                        "ok" if response.status_code == 200 else (f"HTTP {response.status_code}")
-                    )
+                    status = response.status_code
+                    outcome = "ok" if status == 200 else f"HTTP {status}"
                 except httpx.HTTPError as exc:
                     outcome = type(exc).__name__
                 done = time.perf_counter()

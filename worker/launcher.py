@@ -9,6 +9,11 @@
 * Each child runs in its own process group, so stopping one also stops what
   it spawned (vLLM's engine-core process). SIGINT/SIGTERM stop them all:
   SIGTERM first, SIGKILL for whatever is left after the grace period.
+* On Linux the launcher is a child subreaper: processes a crashed worker
+  leaves behind (vLLM's engine core and executor, which may sit in process
+  groups of their own) become the launcher's children, and it kills them,
+  so a restarted engine never competes with an orphaned old one and nothing
+  outlives ``llmgate serve``.
 
 Flags the launcher does not know are passed to every worker: they are vLLM
 engine flags (``--model``, ``--dtype``, ``--max-model-len``, ...).
@@ -17,6 +22,7 @@ engine flags (``--model``, ``--dtype``, ``--max-model-len``, ...).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import shutil
@@ -25,6 +31,8 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+
+import psutil
 
 from shared import settings
 from shared.logs import setup_logging
@@ -153,6 +161,35 @@ def _gateway_child(serve: settings.ServeSettings, num_workers: int) -> Child:
     return Child(name="gateway", argv=argv, env=dict(os.environ))
 
 
+def become_subreaper() -> None:
+    """Adopt orphaned descendants (Linux ``PR_SET_CHILD_SUBREAPER``), so we can reap them."""
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_child_subreaper = 36
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(pr_set_child_subreaper, 1, 0, 0, 0)
+    except (OSError, AttributeError) as exc:
+        log.warning("cannot become a child subreaper (%s): a crashed worker's engine "
+                    "processes may outlive it", exc)
+
+
+def kill_and_reap(procs: list[psutil.Process], grace: float) -> None:
+    """SIGTERM ``procs``, wait up to ``grace`` seconds, SIGKILL what is left, reap all."""
+    for proc in procs:
+        try:
+            proc.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _gone, alive = psutil.wait_procs(procs, timeout=grace)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+
+
 class Supervisor:
     def __init__(self, serve: settings.ServeSettings, children: list[Child]) -> None:
         self.serve = serve
@@ -166,6 +203,7 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGINT, self.request_stop)
         signal.signal(signal.SIGTERM, self.request_stop)
+        become_subreaper()
         for child in self.children:
             child.start()
         try:
@@ -175,6 +213,15 @@ class Supervisor:
         finally:
             self._stop_all()
         return 0
+
+    def _reap_orphans(self) -> None:
+        """Kill the processes an exited child left behind (adopted by us as subreaper)."""
+        tracked = {c.proc.pid for c in self.children if c.proc is not None}
+        orphans = [p for p in psutil.Process().children() if p.pid not in tracked]
+        if orphans:
+            descendants = [d for p in orphans for d in _descendants(p)]
+            log.info("stopping %d processes left behind by an exited child", len(orphans))
+            kill_and_reap(orphans + descendants, grace=2.0)
 
     def _check_children(self) -> None:
         now = time.monotonic()
@@ -198,6 +245,7 @@ class Supervisor:
             child.restarts += 1
             child.next_start = now + child.backoff
             child.proc = None
+            self._reap_orphans()
             log.warning(
                 "%s exited with %s after %.0fs; restart %d in %.0fs",
                 child.name,
@@ -223,7 +271,19 @@ class Supervisor:
             child.signal_group(signal.SIGKILL)
             if child.proc is not None:
                 child.proc.wait()
+        # Anything still below us (adopted orphans, processes in groups of
+        # their own) is stopped too: nothing outlives the launcher.
+        leftovers = psutil.Process().children(recursive=True)
+        if leftovers:
+            kill_and_reap(leftovers, grace=5.0)
         log.info("all processes stopped")
+
+
+def _descendants(proc: psutil.Process) -> list[psutil.Process]:
+    try:
+        return list(proc.children(recursive=True))
+    except psutil.NoSuchProcess:
+        return []
 
 
 def build_parser() -> argparse.ArgumentParser:
