@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -11,12 +12,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from gateway import errors
+from gateway import errors, metrics
 from gateway.api import health, openai
 from gateway.pool import Pool
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
+
+
+def create_app_from_environment() -> FastAPI:
+    """The app with settings from ``LLMGATE_*`` variables (uvicorn's factory)."""
+    from shared import settings
+
+    return create_app(settings.from_environment(GatewaySettings))
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -29,6 +37,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             yield
         finally:
             await pool.stop()
+            metrics.mark_process_dead(os.getpid())
 
     app = FastAPI(
         title="llmgate", summary="OpenAI-compatible gateway over vLLM workers", lifespan=lifespan

@@ -1,12 +1,26 @@
-"""``llmgate gateway``: one gateway process (FastAPI on uvicorn, uvloop, httptools)."""
+"""``llmgate gateway``: the gateway's HTTP server (FastAPI on uvicorn, uvloop, httptools).
+
+With ``--processes N`` uvicorn runs N processes on the one port, each with
+its own pool state; the load each sees of the workers comes from the
+workers' heartbeats, which every process receives. Settings reach the
+processes through ``LLMGATE_*`` environment variables, and Prometheus
+metrics through a shared multiprocess directory.
+
+SIGTERM drains: uvicorn stops accepting connections, lets in-flight
+requests finish for up to ``--drain-timeout`` seconds, and exits 0.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import signal
+import tempfile
 
 import uvicorn
 
-from gateway.app import create_app
+from gateway import metrics
 from shared import settings
 from shared.logs import setup_logging
 
@@ -22,18 +36,44 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     namespace = build_parser().parse_args(argv)
-    gateway_settings = settings.from_namespace(settings.GatewaySettings, namespace)
-    setup_logging(gateway_settings.log_level)
-    uvicorn.run(
-        create_app(gateway_settings),
-        host=gateway_settings.host,
-        port=gateway_settings.port,
-        loop="uvloop",
-        http="httptools",
-        log_level=gateway_settings.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=30,
-    )
+    gateway = settings.from_namespace(settings.GatewaySettings, namespace)
+    setup_logging(gateway.log_level)
+    from gateway.policies import POLICY_NAMES
+
+    if gateway.policy not in POLICY_NAMES:
+        raise SystemExit(f"--policy must be one of {', '.join(POLICY_NAMES)}")
+    # The app factory reads its settings from the environment, in this
+    # process or in uvicorn's worker processes alike.
+    os.environ.update(settings.to_environment(gateway))
+    multiproc_dir = None
+    if gateway.processes > 1 and not os.environ.get(metrics.MULTIPROC_ENV):
+        multiproc_dir = tempfile.mkdtemp(prefix="llmgate-metrics-")
+        os.environ[metrics.MULTIPROC_ENV] = multiproc_dir
+    # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal under the
+    # handler that was set before it started: make that a no-op so a drained
+    # gateway exits 0 (a supervisor's "stopped cleanly"), not -15.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _ignore)
+    try:
+        uvicorn.run(
+            "gateway.app:create_app_from_environment",
+            factory=True,
+            host=gateway.host,
+            port=gateway.port,
+            workers=gateway.processes,
+            loop="uvloop",
+            http="httptools",
+            log_level=gateway.log_level,
+            access_log=False,
+            timeout_graceful_shutdown=int(gateway.drain_timeout),
+        )
+    finally:
+        if multiproc_dir:
+            shutil.rmtree(multiproc_dir, ignore_errors=True)
+
+
+def _ignore(_signum: int, _frame: object) -> None:
+    pass
 
 
 if __name__ == "__main__":

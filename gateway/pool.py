@@ -1,35 +1,57 @@
-"""The workers as this gateway process sees them, and the requests in flight on them.
+"""The workers as this gateway process sees them, admission, and the requests in flight.
 
-A worker is *healthy* while its heartbeats keep coming (``heartbeat_timeout``).
-Its heartbeat says which models it serves and which incarnation it is: a new
-incarnation means the process restarted and whatever we had in flight there
-is gone. The pool fails such requests with 502 rather than leave a client
-waiting for output that will never come.
+Workers come from ``--workers``: ``tcp://host:port`` entries whose host names
+are resolved again every ``--resolve-interval`` seconds, so the DNS name of a
+Kubernetes headless Service yields one worker per pod as pods come and go.
 
-Workers need not be up when the gateway starts: links reconnect on their own,
-and a request that finds no healthy worker waits up to ``startup_timeout``
-for one before it gets 503.
+A worker is *healthy* while its heartbeats keep coming. It stops being so
+when they stop for ``--heartbeat-timeout`` (a hung or partitioned worker) or
+at once when its TCP connection drops (a crashed one). Its heartbeat says
+which models it serves, how loaded it is, how many requests it takes at
+once, and its incarnation: a new incarnation means the process restarted and
+whatever we had in flight there is gone. Requests on a worker that is lost
+get a :class:`WorkerLost` item, which the API turns into a retry on another
+worker when nothing was sent to the client yet.
+
+Admission: a request goes to a worker with a free slot (fewer requests in
+flight than the capacity the worker reports, vLLM's ``max_num_seqs``). When
+none has one, it waits in a bounded queue (``--max-queue``) for up to
+``--queue-timeout``; past either bound it is refused with 429. With no
+healthy worker at all, a request waits ``--startup-timeout`` for one, then
+gets 503; a model no healthy worker serves is a 404.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
-import random
+import socket
 import time
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import zmq.asyncio
 
-from gateway import errors
+from gateway import errors, metrics
+from gateway.policies import Policy, RoutingContext, make_policy
 from gateway.transport import WorkerLink
 from shared import protocol
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 
-Item = protocol.Delta | protocol.Failed
+
+@dataclass(frozen=True, slots=True)
+class WorkerLost:
+    """The worker running a request went away; the request may be retried elsewhere."""
+
+    reason: str
+
+
+Item = protocol.Delta | protocol.Failed | WorkerLost
 
 
 @dataclass(eq=False)
@@ -46,17 +68,25 @@ class WorkerState:
     # What the worker last said about itself.
     running: int = 0
     waiting: int = 0
+    kv_cache_usage: float = 0.0
     capacity: int = 0
     max_model_len: int = 0
     requests: set[str] = field(default_factory=set)
+    # No longer listed by DNS: closed once idle.
+    retired: bool = False
 
     @property
     def address(self) -> str:
         return self.link.address
 
+    @property
+    def key(self) -> str:
+        """Stable name for hashing (prefix policy) and metrics labels."""
+        return self.link.address
+
 
 class RequestHandle:
-    """One request in flight: the deltas and the failure a worker sends for it."""
+    """One request in flight: what the worker sends for it, in order."""
 
     def __init__(self, pool: Pool, request_id: str, worker: WorkerState) -> None:
         self.pool = pool
@@ -74,46 +104,45 @@ class RequestHandle:
 
 
 class Pool:
-    def __init__(self, settings: GatewaySettings) -> None:
+    def __init__(self, settings: GatewaySettings, policy: Policy | None = None) -> None:
         self.settings = settings
+        self.policy = policy or make_policy(settings.policy, settings.prefix_load_factor)
         self.gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
         self.ctx = zmq.asyncio.Context()
-        self.workers: list[WorkerState] = []
+        self.workers: dict[str, WorkerState] = {}
         self.pending: dict[str, RequestHandle] = {}
-        self._any_healthy = asyncio.Event()
-        self._monitor: asyncio.Task[None] | None = None
         self.started_at = int(time.time())
+        self.queued = 0
+        self._specs = parse_addresses(settings.workers)
+        self._any_healthy = asyncio.Event()
+        self._slot_freed = asyncio.Condition()
+        self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle ---------------------------------------------------------
 
     async def start(self) -> None:
-        identity = self.gateway_id.encode()
-        for address in parse_addresses(self.settings.workers):
-            link = WorkerLink(self.ctx, address, identity, self._on_message)
-            self.workers.append(WorkerState(link=link))
-            link.start()
+        await self._resolve()
         self._ping_all()
-        self._monitor = asyncio.create_task(self._monitor_loop(), name="pool monitor")
+        self._tasks.append(asyncio.create_task(self._monitor_loop(), name="pool monitor"))
+        if any(_needs_resolution(spec) for spec in self._specs):
+            self._tasks.append(asyncio.create_task(self._resolve_loop(), name="pool resolve"))
 
     async def stop(self) -> None:
-        if self._monitor is not None:
-            self._monitor.cancel()
-        for worker in self.workers:
+        for task in self._tasks:
+            task.cancel()
+        for worker in self.workers.values():
             if worker.requests:
                 worker.link.send(protocol.Abort(request_ids=list(worker.requests)))
-        for worker in self.workers:
             await worker.link.close()
         self.ctx.term()
 
     # -- queries -----------------------------------------------------------
 
     def healthy_workers(self) -> list[WorkerState]:
-        return [w for w in self.workers if w.healthy]
+        return [w for w in self.workers.values() if w.healthy]
 
     def models(self) -> list[str]:
         return sorted({m for w in self.healthy_workers() for m in w.models})
-
-    # -- requests ----------------------------------------------------------
 
     async def wait_for_worker(self) -> bool:
         """Wait up to ``startup_timeout`` for a healthy worker; whether there is one."""
@@ -125,35 +154,103 @@ class Pool:
                 return False
         return True
 
+    # -- admission and routing ---------------------------------------------
+
+    def _capacity(self, worker: WorkerState) -> int:
+        limit = self.settings.max_inflight_per_worker
+        if worker.capacity and (not limit or worker.capacity < limit):
+            return worker.capacity
+        return limit or worker.capacity or 1
+
+    def _eligible(self, model: str, exclude: Collection[WorkerState]) -> list[WorkerState]:
+        """Healthy, serving ``model``, not draining, not excluded; 404/503 if none."""
+        healthy = self.healthy_workers()
+        serving = [w for w in healthy if model in w.models]
+        if not serving:
+            if healthy and not any(w.draining for w in healthy):
+                raise errors.ModelNotFound.for_model(model)
+            metrics.REJECTED.labels("no_worker").inc()
+            raise errors.NoWorker(f"No worker for model `{model}` is available.")
+        eligible = [w for w in serving if not w.draining and w not in exclude]
+        if not eligible:
+            metrics.REJECTED.labels("no_worker").inc()
+            raise errors.NoWorker(f"No other worker for model `{model}` is available.")
+        return eligible
+
+    async def _acquire(
+        self, model: str, key: str | None, deadline: float, exclude: Collection[WorkerState]
+    ) -> WorkerState:
+        if not await self.wait_for_worker():
+            metrics.REJECTED.labels("no_worker").inc()
+            raise errors.NoWorker("No worker is available; try again later.")
+        free = self._free(self._eligible(model, exclude))
+        if free and not self.queued:
+            return self.policy.select(RoutingContext(model, free, key))
+        if self.queued >= self.settings.max_queue:
+            metrics.REJECTED.labels("queue_full").inc()
+            raise errors.Overloaded(
+                "Too many requests are waiting; try again shortly.", retry_after=1
+            )
+        wait = self.settings.queue_timeout
+        if deadline:
+            wait = min(wait, deadline - time.time())
+        give_up = time.monotonic() + wait
+        self.queued += 1
+        metrics.QUEUE_DEPTH.inc()
+        try:
+            async with self._slot_freed:
+                while True:
+                    free = self._free(self._eligible(model, exclude))
+                    if free:
+                        return self.policy.select(RoutingContext(model, free, key))
+                    remaining = give_up - time.monotonic()
+                    if remaining <= 0:
+                        metrics.REJECTED.labels("queue_timeout").inc()
+                        raise errors.Overloaded(
+                            "Timed out waiting for a free worker; try again shortly.", retry_after=1
+                        )
+                    try:
+                        async with asyncio.timeout(remaining):
+                            await self._slot_freed.wait()
+                    except TimeoutError:
+                        continue
+        finally:
+            self.queued -= 1
+            metrics.QUEUE_DEPTH.dec()
+
+    def _free(self, workers: list[WorkerState]) -> list[WorkerState]:
+        return [w for w in workers if w.in_flight < self._capacity(w)]
+
     async def submit(
-        self, kind: protocol.RequestKind, model: str, params: dict[str, object], deadline: float
+        self,
+        kind: protocol.RequestKind,
+        model: str,
+        params: dict[str, object],
+        deadline: float,
+        key: str | None = None,
+        exclude: Collection[WorkerState] = (),
     ) -> RequestHandle:
-        worker = await self._select(model)
-        request_id = uuid.uuid4().hex
+        """Admit the request, pick a worker, send it; raises a ``GatewayError`` if refused."""
+        tried = set(exclude)
+        while True:
+            worker = await self._acquire(model, key, deadline, tried)
+            request_id = uuid.uuid4().hex
+            message = protocol.Generate(
+                request_id=request_id, model=model, kind=kind, params=params, deadline=deadline
+            )
+            if worker.link.send(message):
+                break
+            # The connection is gone although the worker looked healthy: it is
+            # lost, and the request goes to another.
+            self._lose(worker, "its connection dropped")
+            tried.add(worker)
         handle = RequestHandle(self, request_id, worker)
-        message = protocol.Generate(
-            request_id=request_id, model=model, kind=kind, params=params, deadline=deadline
-        )
-        if not worker.link.send(message):
-            raise errors.NoWorker(f"worker {worker.address} is not reachable")
         self.pending[request_id] = handle
         worker.requests.add(request_id)
         worker.in_flight += 1
+        metrics.IN_FLIGHT.inc()
+        metrics.WORKER_IN_FLIGHT.labels(worker.key).inc()
         return handle
-
-    async def _select(self, model: str) -> WorkerState:
-        if not await self.wait_for_worker():
-            raise errors.NoWorker("No worker is available; try again later.")
-        healthy = self.healthy_workers()
-        candidates = [w for w in healthy if model in w.models and not w.draining]
-        if not candidates:
-            if healthy and not any(model in w.models for w in healthy):
-                raise errors.ModelNotFound.for_model(model)
-            raise errors.NoWorker(f"No worker for model `{model}` is available.")
-        # Least in flight; ties broken at random so equal workers share the load.
-        # (Routing policies proper come with gateway.policies.)
-        least = min(w.in_flight for w in candidates)
-        return random.choice([w for w in candidates if w.in_flight == least])
 
     def _release(self, handle: RequestHandle, abort: bool) -> None:
         if self.pending.pop(handle.request_id, None) is None:
@@ -161,15 +258,33 @@ class Pool:
         worker = handle.worker
         worker.requests.discard(handle.request_id)
         worker.in_flight -= 1
+        metrics.IN_FLIGHT.dec()
+        metrics.WORKER_IN_FLIGHT.labels(worker.key).dec()
         if abort and worker.healthy:
             worker.link.send(protocol.Abort(request_ids=[handle.request_id]))
+        self._wake(1)
+
+    def _wake(self, n: int | None = None) -> None:
+        """Let ``n`` queued requests (all if None) look for a free slot again."""
+        if not self.queued:
+            return
+
+        async def notify() -> None:
+            async with self._slot_freed:
+                if n is None:
+                    self._slot_freed.notify_all()
+                else:
+                    self._slot_freed.notify(n)
+
+        asyncio.get_running_loop().create_task(notify())
 
     # -- messages from workers ---------------------------------------------
 
     def _on_message(self, link: WorkerLink, message: protocol.ToGateway) -> None:
         if isinstance(message, protocol.Deltas):
+            pending = self.pending
             for delta in message.items:
-                handle = self.pending.get(delta.request_id)
+                handle = pending.get(delta.request_id)
                 if handle is not None:
                     if delta.usage is not None:
                         handle.finished = True
@@ -180,13 +295,9 @@ class Pool:
                 handle.finished = True
                 handle.queue.put_nowait(message)
         elif isinstance(message, protocol.Heartbeat):
-            self._on_heartbeat(self._worker_for(link), message)
-
-    def _worker_for(self, link: WorkerLink) -> WorkerState:
-        for worker in self.workers:
-            if worker.link is link:
-                return worker
-        raise LookupError(link.address)
+            worker = self.workers.get(link.address)
+            if worker is not None and worker.link is link:
+                self._on_heartbeat(worker, message)
 
     def _on_heartbeat(self, worker: WorkerState, beat: protocol.Heartbeat) -> None:
         if beat.protocol_version != protocol.PROTOCOL_VERSION:
@@ -202,28 +313,52 @@ class Pool:
             return
         if worker.incarnation and beat.incarnation != worker.incarnation:
             log.warning("worker %s restarted (new incarnation)", worker.address)
-            self._fail_requests(worker, "The worker serving this request restarted.")
+            self._fail_requests(worker, "the worker restarted")
         if not worker.healthy:
             log.info(
                 "worker %s (%s) is up, serving %s", worker.address, beat.worker_id, beat.models
             )
+        if beat.draining and not worker.draining:
+            log.info("worker %s is draining", worker.address)
         worker.worker_id = beat.worker_id
         worker.incarnation = beat.incarnation
         worker.models = frozenset(beat.models)
         worker.last_heartbeat = time.monotonic()
-        worker.healthy = True
+        was_healthy, worker.healthy = worker.healthy, True
         worker.draining = beat.draining
         worker.running = beat.running
         worker.waiting = beat.waiting
+        worker.kv_cache_usage = beat.kv_cache_usage
         worker.capacity = beat.capacity
         worker.max_model_len = beat.max_model_len
         self._any_healthy.set()
+        labels = worker.key
+        metrics.WORKER_HEALTHY.labels(labels).set(1)
+        metrics.WORKER_RUNNING.labels(labels).set(beat.running)
+        metrics.WORKER_WAITING.labels(labels).set(beat.waiting)
+        metrics.WORKER_KV_USAGE.labels(labels).set(beat.kv_cache_usage)
+        if not was_healthy:
+            self._wake()
+
+    def _on_disconnect(self, link: WorkerLink) -> None:
+        worker = self.workers.get(link.address)
+        if worker is not None and worker.link is link and worker.healthy:
+            self._lose(worker, "its connection dropped")
 
     # -- liveness ----------------------------------------------------------
 
+    def _lose(self, worker: WorkerState, reason: str) -> None:
+        if worker.healthy:
+            log.warning("worker %s lost: %s", worker.address, reason)
+        worker.healthy = False
+        metrics.WORKER_HEALTHY.labels(worker.key).set(0)
+        self._fail_requests(worker, f"the worker was lost: {reason}")
+        if not self.healthy_workers():
+            self._any_healthy.clear()
+
     def _ping_all(self) -> None:
         ping = protocol.Ping(gateway_id=self.gateway_id, sent_at=time.time())
-        for worker in self.workers:
+        for worker in self.workers.values():
             worker.link.send(ping)
 
     async def _monitor_loop(self) -> None:
@@ -231,25 +366,54 @@ class Pool:
             await asyncio.sleep(self.settings.heartbeat_interval)
             self._ping_all()
             now = time.monotonic()
-            for worker in self.workers:
+            for worker in list(self.workers.values()):
                 silent = now - worker.last_heartbeat
                 if worker.healthy and silent > self.settings.heartbeat_timeout:
-                    log.warning(
-                        "worker %s silent for %.1fs: marking it down", worker.address, silent
-                    )
-                    worker.healthy = False
-                    self._fail_requests(
-                        worker, "The worker serving this request stopped responding."
-                    )
-            if not self.healthy_workers():
-                self._any_healthy.clear()
+                    self._lose(worker, f"silent for {silent:.1f}s")
+                if worker.retired and not worker.requests:
+                    await self._remove(worker)
 
     def _fail_requests(self, worker: WorkerState, reason: str) -> None:
         for request_id in list(worker.requests):
             handle = self.pending.get(request_id)
             if handle is not None and not handle.finished:
                 handle.finished = True
-                handle.queue.put_nowait(protocol.Failed(request_id, 502, reason))
+                handle.queue.put_nowait(WorkerLost(reason))
+
+    # -- discovery ---------------------------------------------------------
+
+    async def _resolve(self) -> None:
+        addresses: set[str] = set()
+        for spec in self._specs:
+            addresses.update(await resolve(spec))
+        for address in addresses - self.workers.keys():
+            link = WorkerLink(
+                self.ctx, address, self.gateway_id.encode(), self._on_message, self._on_disconnect
+            )
+            self.workers[address] = WorkerState(link=link)
+            link.start()
+            link.send(protocol.Ping(gateway_id=self.gateway_id, sent_at=time.time()))
+            log.info("worker address %s added", address)
+        for address in self.workers.keys() - addresses:
+            worker = self.workers[address]
+            if not worker.retired:
+                log.info("worker address %s no longer resolves: retiring it", address)
+                worker.retired = True
+
+    async def _resolve_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.resolve_interval)
+            try:
+                await self._resolve()
+            except Exception:
+                log.exception("resolving worker addresses failed")
+
+    async def _remove(self, worker: WorkerState) -> None:
+        del self.workers[worker.address]
+        metrics.WORKER_HEALTHY.labels(worker.key).set(0)
+        await worker.link.close()
+        if not self.healthy_workers():
+            self._any_healthy.clear()
 
 
 def parse_addresses(spec: str) -> list[str]:
@@ -263,3 +427,36 @@ def parse_addresses(spec: str) -> list[str]:
     if not out:
         raise ValueError("no worker addresses given")
     return out
+
+
+def _needs_resolution(address: str) -> bool:
+    parts = urlsplit(address)
+    if parts.scheme != "tcp" or not parts.hostname:
+        return False
+    try:
+        ipaddress.ip_address(parts.hostname)
+    except ValueError:
+        return True
+    return False
+
+
+async def resolve(address: str) -> list[str]:
+    """A ``tcp://name:port`` address as one address per IPv4 (else IPv6) address of name.
+
+    Other forms (IP addresses, ``ipc://``) are returned as they are. A name
+    that does not resolve yet yields nothing: its workers join when it does.
+    """
+    if not _needs_resolution(address):
+        return [address]
+    parts = urlsplit(address)
+    host, port = parts.hostname or "", parts.port
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        log.warning("cannot resolve %s: %s", host, exc)
+        return []
+    v4 = sorted({str(info[4][0]) for info in infos if info[0] == socket.AF_INET})
+    if v4:
+        return [f"tcp://{ip}:{port}" for ip in v4]
+    v6 = sorted({str(info[4][0]) for info in infos if info[0] == socket.AF_INET6})
+    return [f"tcp://[{ip}]:{port}" for ip in v6]

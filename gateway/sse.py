@@ -16,13 +16,13 @@ import msgspec
 
 from shared import protocol
 
-_encode = msgspec.json.encode
+encode = msgspec.json.encode
 
 DONE = b"data: [DONE]\n\n"
 
 
 def event(payload: Any) -> bytes:
-    return b"data: " + _encode(payload) + b"\n\n"
+    return b"data: " + encode(payload) + b"\n\n"
 
 
 def usage_json(usage: protocol.Usage) -> dict[str, int]:
@@ -65,6 +65,10 @@ class _Response:
         self.created = int(time.time())
         self.choices = [_Choice() for _ in range(num_choices)]
 
+    def reset(self) -> None:
+        """Forget all output (the request is being retried from scratch)."""
+        self.choices = [_Choice() for _ in self.choices]
+
     def _choice(self, index: int) -> _Choice:
         while index >= len(self.choices):  # defensive: never trust a peer's index
             self.choices.append(_Choice())
@@ -86,7 +90,7 @@ class _Response:
         payload = self._envelope(self.object_name)
         payload["choices"] = [self._final_choice(i, c) for i, c in enumerate(self.choices)]
         payload["usage"] = usage_json(usage)
-        return _encode(payload)
+        return encode(payload)
 
     def _final_choice(self, index: int, choice: _Choice) -> dict[str, Any]:
         raise NotImplementedError

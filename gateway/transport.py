@@ -14,17 +14,24 @@ from collections.abc import Callable
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from shared import protocol
 
 log = logging.getLogger(__name__)
 
 OnMessage = Callable[["WorkerLink", protocol.ToGateway], None]
+OnDisconnect = Callable[["WorkerLink"], None]
 
 
 class WorkerLink:
     def __init__(
-        self, ctx: zmq.asyncio.Context, address: str, identity: bytes, on_message: OnMessage
+        self,
+        ctx: zmq.asyncio.Context,
+        address: str,
+        identity: bytes,
+        on_message: OnMessage,
+        on_disconnect: OnDisconnect | None = None,
     ) -> None:
         self.address = address
         self.sock = ctx.socket(zmq.DEALER)
@@ -42,10 +49,18 @@ class WorkerLink:
         self._encoder = protocol.encoder()
         self._decoder = protocol.gateway_decoder()
         self._on_message = on_message
-        self._task: asyncio.Task[None] | None = None
+        self._on_disconnect = on_disconnect
+        self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._receive_loop(), name=f"link {self.address}")
+        self._tasks.append(asyncio.create_task(self._receive_loop(), name=f"link {self.address}"))
+        if self._on_disconnect is not None:
+            # A crashed worker's TCP connection drops at once: learning that from
+            # ZMQ's socket monitor beats waiting out the heartbeat timeout.
+            monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._tasks.append(
+                asyncio.create_task(self._monitor_loop(monitor), name=f"monitor {self.address}")
+            )
 
     def send(self, message: protocol.ToWorker) -> bool:
         """Queue ``message`` for the worker; False if it cannot be sent now."""
@@ -71,11 +86,22 @@ class WorkerLink:
             except Exception:
                 log.exception("handling a message from %s failed", self.address)
 
+    async def _monitor_loop(self, monitor: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED and self._on_disconnect:
+                    self._on_disconnect(self)
+        finally:
+            monitor.close(0)
+
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             try:
-                await self._task
+                await task
             except asyncio.CancelledError:
                 pass
+        self.sock.disable_monitor()
         self.sock.close(0)

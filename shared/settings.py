@@ -40,6 +40,38 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     startup_timeout: Annotated[
         float, _help("seconds a request waits for a first healthy worker before 503")
     ] = 5.0
+    policy: Annotated[str, _help("routing policy: least-load, prefix or round-robin")] = (
+        "least-load"
+    )
+    prefix_load_factor: Annotated[
+        float, _help("prefix policy: most load one worker may take, as a multiple of the mean")
+    ] = 1.25
+    prefix_chars: Annotated[
+        int, _help("prefix policy: characters of the prompt that make the affinity key")
+    ] = 256
+    max_retries: Annotated[
+        int, _help("times a request is re-sent when its worker is lost before any output")
+    ] = 2
+    max_queue: Annotated[
+        int, _help("requests that may wait for a free worker slot; past it, 429")
+    ] = 1024
+    queue_timeout: Annotated[
+        float, _help("seconds a request may wait for a free worker slot before 429")
+    ] = 30.0
+    max_inflight_per_worker: Annotated[
+        int,
+        _help(
+            "cap on requests in flight per worker; 0 = the capacity it reports "
+            "(vLLM's max-num-seqs)"
+        ),
+    ] = 0
+    resolve_interval: Annotated[
+        float, _help("seconds between DNS look-ups of worker host names (new pods join)")
+    ] = 10.0
+    processes: Annotated[int, _help("gateway processes sharing the HTTP port")] = 1
+    drain_timeout: Annotated[
+        float, _help("on SIGTERM, seconds to let in-flight requests finish before exiting")
+    ] = 30.0
     log_level: Annotated[str, _help("log level: debug, info, warning, error")] = "info"
 
 
@@ -53,6 +85,12 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
         float,
         _help("seconds without hearing from a gateway before its requests are aborted"),
     ] = 10.0
+    drain_timeout: Annotated[
+        float, _help("on SIGTERM, seconds to let running requests finish before exiting")
+    ] = 30.0
+    metrics_port: Annotated[
+        int, _help("port of this worker's Prometheus /metrics (vLLM's own metrics); 0 = off")
+    ] = 0
     # The log level is vLLM's own --log-level flag (DEBUG, INFO, ...).
 
 
@@ -65,6 +103,9 @@ class ServeSettings(msgspec.Struct, kw_only=True):
     worker_base_port: Annotated[
         int, _help("ZeroMQ port of worker 0; worker i binds base+i on 127.0.0.1")
     ] = 5550
+    worker_metrics_port: Annotated[
+        int, _help("Prometheus port of worker 0 (vLLM's metrics); worker i uses base+i; 0 = off")
+    ] = 0
     device: Annotated[str, _help("auto, cpu or gpu: where the workers run")] = "auto"
     restart_backoff_max: Annotated[
         float, _help("upper bound in seconds of the backoff between worker restarts")
@@ -137,6 +178,20 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[msgspec.Struct]) ->
             )
 
 
+def to_environment(instance: msgspec.Struct) -> dict[str, str]:
+    """``LLMGATE_*`` variables that reproduce ``instance`` (for child processes)."""
+    out = {}
+    for name, kind, _default, _help_text in fields(type(instance)):
+        value = getattr(instance, name)
+        out[env_name(name)] = ("1" if value else "0") if kind is bool else str(value)
+    return out
+
+
+def from_environment(cls: type[S]) -> S:
+    """``cls`` from ``LLMGATE_*`` variables and defaults alone."""
+    return from_namespace(cls, argparse.Namespace())
+
+
 def from_namespace(cls: type[S], namespace: argparse.Namespace) -> S:
     """Build ``cls`` from parsed flags, falling back to ``LLMGATE_*`` env, then defaults."""
     values: dict[str, Any] = {}
@@ -152,3 +207,17 @@ def from_namespace(cls: type[S], namespace: argparse.Namespace) -> S:
         except (ValueError, argparse.ArgumentTypeError) as exc:
             sys.exit(f"invalid {env_name(name)}={raw!r}: {exc}")
     return cls(**values)
+
+
+def markdown_table(cls: type[msgspec.Struct]) -> str:
+    """The README's table of ``cls``'s settings."""
+    rows = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
+    for name, _kind, default, help_text in fields(cls):
+        shown = f"`{default}`" if default != "" else "(see meaning)"
+        rows.append(f"| `{_flag(name)}` | `{env_name(name)}` | {shown} | {help_text} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    for settings_cls in (ServeSettings, GatewaySettings, WorkerSettings):
+        print(f"{settings_cls.__name__}\n\n{markdown_table(settings_cls)}\n")

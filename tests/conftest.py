@@ -39,44 +39,83 @@ class Served:
     proc: subprocess.Popen[bytes]
     base_url: str
     log_path: Path
+    # ZeroMQ address of worker i is tcp://127.0.0.1:(worker_port + i).
+    worker_port: int = 0
+
+    def worker_addresses(self, count: int = 1) -> str:
+        return ",".join(f"tcp://127.0.0.1:{self.worker_port + i}" for i in range(count))
 
     def log_tail(self, lines: int = 60) -> str:
         text = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(text[-lines:])
 
 
-def start_serve(log_path: Path, *extra: str, env: dict[str, str] | None = None) -> Served:
-    """Start ``llmgate serve`` on free ports; return once the gateway is ready."""
+def free_port_range(count: int) -> int:
+    """A base port such that base..base+count-1 are free now."""
+    for _ in range(50):
+        base = free_port()
+        if base + count > 65535:
+            continue
+        try:
+            for offset in range(1, count):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", base + offset))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free port range")
+
+
+def start_serve(
+    log_path: Path, *extra: str, env: dict[str, str] | None = None, num_workers: int = 1
+) -> Served:
+    """Start ``llmgate serve`` on free ports; return once every worker is healthy."""
     port = free_port()
-    worker_port = free_port()
+    worker_port = free_port_range(num_workers)
     argv = [
-        sys.executable,
-        "-m",
-        "worker.launcher",
-        "--port",
-        str(port),
-        "--worker-base-port",
-        str(worker_port),
-        "--enforce-eager",
-        *extra,
+        *(sys.executable, "-m", "worker.launcher", "--port", str(port)),
+        *("--worker-base-port", str(worker_port), "--num-workers", str(num_workers)),
+        *("--enforce-eager", *extra),
     ]
+    return _start(argv, log_path, port, env, worker_port, num_workers)
+
+
+def start_gateway(log_path: Path, workers: str, *extra: str) -> Served:
+    """Start a lone ``llmgate gateway`` in front of running workers."""
+    port = free_port()
+    argv = [sys.executable, "-m", "gateway.main", "--workers", workers, "--port", str(port)]
+    return _start([*argv, *extra], log_path, port, None, 0, len(workers.split(",")))
+
+
+def _start(
+    argv: list[str],
+    log_path: Path,
+    port: int,
+    env: dict[str, str] | None,
+    worker_port: int,
+    healthy_workers: int,
+) -> Served:
     log_file = log_path.open("wb")
     proc = subprocess.Popen(
         argv, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
     )
-    served = Served(proc=proc, base_url=f"http://127.0.0.1:{port}", log_path=log_path)
+    served = Served(proc, f"http://127.0.0.1:{port}", log_path, worker_port)
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"llmgate serve exited with {proc.returncode}:\n{served.log_tail()}")
+            raise RuntimeError(f"{argv[2]} exited with {proc.returncode}:\n{served.log_tail()}")
         try:
-            if httpx.get(f"{served.base_url}/ready", timeout=2).status_code == 200:
+            response = httpx.get(f"{served.base_url}/ready", timeout=2)
+            if (
+                response.status_code == 200
+                and response.json()["healthy_workers"] >= healthy_workers
+            ):
                 return served
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     stop_serve(served)
-    raise RuntimeError(f"llmgate serve not ready after {STARTUP_TIMEOUT}s:\n{served.log_tail()}")
+    raise RuntimeError(f"{argv[2]} not ready after {STARTUP_TIMEOUT}s:\n{served.log_tail()}")
 
 
 def stop_serve(served: Served, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:

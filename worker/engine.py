@@ -34,6 +34,43 @@ def add_engine_args(parser: Any) -> None:
     AsyncEngineArgs.add_cli_args(parser)
 
 
+class LoadTracker:
+    """Keeps the scheduler's latest figures (waiting requests, KV-cache use).
+
+    Registered as a vLLM stat logger, so it is fed on every engine step with
+    the same numbers vLLM's own ``/metrics`` report.
+    """
+
+    def __init__(self) -> None:
+        self.waiting = 0
+        self.kv_cache_usage = 0.0
+
+    def factory(self, _vllm_config: Any, _engine_index: int = 0) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        tracker = self
+
+        class _Logger(StatLoggerBase):
+            def __init__(self) -> None:
+                pass
+
+            def record(
+                self,
+                scheduler_stats: Any,
+                iteration_stats: Any,
+                mm_cache_stats: Any = None,
+                engine_idx: int = 0,
+            ) -> None:
+                if scheduler_stats is not None:
+                    tracker.waiting = scheduler_stats.num_waiting_reqs
+                    tracker.kv_cache_usage = scheduler_stats.kv_cache_usage
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _Logger()
+
+
 @dataclass
 class PreparedPrompt:
     engine_input: Any
@@ -51,8 +88,11 @@ class Engine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         engine_args = AsyncEngineArgs.from_cli_args(namespace)
+        self.load_tracker = LoadTracker()
         self.llm = AsyncLLM.from_engine_args(
-            engine_args, usage_context=UsageContext.OPENAI_API_SERVER
+            engine_args,
+            usage_context=UsageContext.OPENAI_API_SERVER,
+            stat_loggers=[self.load_tracker.factory],
         )
         self.model_config = self.llm.model_config
         self.served_model_names: list[str] = list(
@@ -146,9 +186,16 @@ class Engine:
         await self.llm.abort([f"{request_id}-{i}" for i in range(num_prompts)])
 
     def load(self) -> tuple[int, int, float]:
-        """(running, waiting, kv-cache usage) as last reported by the engine core."""
-        running = self.llm.get_num_unfinished_requests()
-        return running, 0, 0.0
+        """(running, waiting, KV-cache usage) of the engine, now.
+
+        The unfinished count is exact at any moment (an aborted request leaves
+        it at once); the scheduler's split of it into running and waiting is as
+        of the last engine step, which is stale only while the engine is idle.
+        """
+        unfinished = self.llm.get_num_unfinished_requests()
+        waiting = min(self.load_tracker.waiting, unfinished)
+        kv_usage = self.load_tracker.kv_cache_usage if unfinished else 0.0
+        return unfinished - waiting, waiting, kv_usage
 
     async def check_health(self) -> None:
         await self.llm.check_health()

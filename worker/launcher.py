@@ -8,7 +8,9 @@
   has run a minute); so is the gateway.
 * Each child runs in its own process group, so stopping one also stops what
   it spawned (vLLM's engine-core process). SIGINT/SIGTERM stop them all:
-  SIGTERM first, SIGKILL for whatever is left after the grace period.
+  SIGTERM to each child's main process first, so gateways and workers drain
+  (finish what is running); SIGKILL for whatever is left after the grace
+  period, or at once on a second signal.
 * On Linux the launcher is a child subreaper: processes a crashed worker
   leaves behind (vLLM's engine core and executor, which may sit in process
   groups of their own) become the launcher's children, and it kills them,
@@ -39,7 +41,8 @@ from shared.logs import setup_logging
 
 log = logging.getLogger("llmgate.launcher")
 
-STOP_GRACE_SECONDS = 15.0
+# Longer than a worker's default drain (30 s), so draining is not cut short.
+STOP_GRACE_SECONDS = 40.0
 HEALTHY_RUN_SECONDS = 60.0
 
 
@@ -58,6 +61,11 @@ class Child:
         log.info("starting %s: %s", self.name, " ".join(self.argv))
         self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
         self.started_at = time.monotonic()
+
+    def signal(self, sig: int) -> None:
+        """Signal the child's main process only (it drains, then stops its own children)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
 
     def signal_group(self, sig: int) -> None:
         if self.proc is None:
@@ -170,8 +178,11 @@ def become_subreaper() -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(pr_set_child_subreaper, 1, 0, 0, 0)
     except (OSError, AttributeError) as exc:
-        log.warning("cannot become a child subreaper (%s): a crashed worker's engine "
-                    "processes may outlive it", exc)
+        log.warning(
+            "cannot become a child subreaper (%s): a crashed worker's engine "
+            "processes may outlive it",
+            exc,
+        )
 
 
 def kill_and_reap(procs: list[psutil.Process], grace: float) -> None:
@@ -195,9 +206,14 @@ class Supervisor:
         self.serve = serve
         self.children = children
         self.stopping = False
+        self.force = False
 
     def request_stop(self, signum: int, _frame: object) -> None:
-        log.info("received %s: stopping", signal.Signals(signum).name)
+        if self.stopping:
+            log.warning("received %s again: killing everything now", signal.Signals(signum).name)
+            self.force = True
+            return
+        log.info("received %s: stopping (again to stop at once)", signal.Signals(signum).name)
         self.stopping = True
 
     def run(self) -> int:
@@ -258,13 +274,14 @@ class Supervisor:
     def _stop_all(self) -> None:
         running = [c for c in self.children if c.proc is not None and c.proc.poll() is None]
         for child in running:
-            child.signal_group(signal.SIGTERM)
+            child.signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_SECONDS
+        while not self.force and time.monotonic() < deadline:
+            if all(c.proc is None or c.proc.poll() is not None for c in running):
+                break
+            time.sleep(0.1)
         for child in running:
-            assert child.proc is not None
-            try:
-                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            if child.proc is not None and child.proc.poll() is None:
                 log.warning("%s did not stop in time: killing it", child.name)
         # SIGKILL the groups in any case: it reaps grandchildren a clean exit left.
         for child in self.children:

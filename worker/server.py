@@ -79,9 +79,11 @@ class WorkerServer:
             self.settings.bind,
             self.engine.served_model_names,
         )
+        if self.settings.metrics_port:
+            start_metrics_server(self.settings.metrics_port)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._stop.set)
+            loop.add_signal_handler(sig, self._on_signal)
         tasks = [
             asyncio.create_task(self._receive_loop(), name="receive"),
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
@@ -93,8 +95,34 @@ class WorkerServer:
                 task.cancel()
             for running in list(self.requests.values()):
                 running.task.cancel()
+            # Let the cancelled requests send their abort to the engine.
+            await asyncio.sleep(0)
             self.sock.close(0)
             self.ctx.term()
+
+    def _on_signal(self) -> None:
+        """First signal: drain. A second one: stop now."""
+        if self.draining:
+            log.warning(
+                "second signal: stopping without waiting for %d requests", len(self.requests)
+            )
+            self._stop.set()
+            return
+        asyncio.get_running_loop().create_task(self.drain(), name="drain")
+
+    async def drain(self) -> None:
+        """Tell gateways to stop sending, let running requests finish, then stop."""
+        self.draining = True
+        log.info("draining: %d requests running", len(self.requests))
+        beat = self._heartbeat()
+        for identity in self.gateways:
+            self._send(identity, beat)
+        running = [r.task for r in self.requests.values()]
+        if running:
+            await asyncio.wait(running, timeout=self.settings.drain_timeout)
+        if self.requests:
+            log.warning("drain timeout: aborting %d requests", len(self.requests))
+        self._stop.set()
 
     # -- receiving ---------------------------------------------------------
 
@@ -137,6 +165,7 @@ class WorkerServer:
             )
             return
         if self.draining:
+            # The gateway had not heard yet; 503 tells it to try another worker.
             self._fail(identity, message.request_id, 503, "worker is draining")
             return
         task = asyncio.create_task(self._run(identity, message), name=message.request_id)
@@ -252,6 +281,14 @@ class WorkerServer:
         for request_id in orphans:
             self._cancel(request_id)
         del self.gateways[identity]
+
+
+def start_metrics_server(port: int) -> None:
+    """Serve the process's Prometheus registry, where vLLM records its ``vllm:*`` metrics."""
+    import prometheus_client
+
+    prometheus_client.start_http_server(port)
+    log.info("metrics on :%d/metrics", port)
 
 
 def _classify_engine_error(exc: Exception) -> tuple[int, str, str | None]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from gateway import metrics
 from gateway.pool import Pool
-from gateway.sse import _encode
+from gateway.sse import encode
 
 router = APIRouter()
 
@@ -16,7 +17,7 @@ async def health(request: Request) -> Response:
     """The gateway process is up (it may still have no worker)."""
     pool: Pool = request.app.state.pool
     return Response(
-        _encode(
+        encode(
             {
                 "status": "ok",
                 "healthy_workers": len(pool.healthy_workers()),
@@ -27,13 +28,20 @@ async def health(request: Request) -> Response:
     )
 
 
+@router.get("/metrics")
+async def prometheus_metrics() -> Response:
+    """Prometheus exposition of the gateway's metrics (all its processes)."""
+    body, content_type = metrics.render()
+    return Response(body, media_type=content_type)
+
+
 @router.get("/ready")
 async def ready(request: Request) -> Response:
     """Ready when at least one worker is healthy: 200, else 503."""
     pool: Pool = request.app.state.pool
     healthy = len(pool.healthy_workers())
     return Response(
-        _encode({"ready": healthy > 0, "healthy_workers": healthy}),
+        encode({"ready": healthy > 0, "healthy_workers": healthy}),
         status_code=200 if healthy else 503,
         media_type="application/json",
     )

@@ -1,0 +1,141 @@
+"""The gateway's Prometheus metrics (``/metrics``), safe with many gateway processes.
+
+With ``--processes N`` the gateway sets ``PROMETHEUS_MULTIPROC_DIR`` before
+its processes start, prometheus_client writes each process's values there,
+and ``/metrics`` aggregates them: counters and histograms add up, in-flight
+and queue gauges are summed over live processes, and what workers report
+about themselves is the most recent value any process saw.
+
+Names follow Prometheus conventions (``_total`` counters, ``_seconds``
+histograms, base units) under the ``llmgate_`` prefix.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+# Seconds; LLM requests range from milliseconds (a cached short answer) to minutes.
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+_TOKEN_GAP_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1,
+    2.5,
+    5,
+)
+
+REQUESTS = Counter(
+    "llmgate_requests",
+    "Finished HTTP requests by model, route and status.",
+    ["model", "route", "status"],
+)
+E2E_LATENCY = Histogram(
+    "llmgate_request_duration_seconds",
+    "Time from the request's arrival to its last byte.",
+    ["model", "route"],
+    buckets=_LATENCY_BUCKETS,
+)
+TTFT = Histogram(
+    "llmgate_time_to_first_token_seconds",
+    "Streaming: time from arrival to the first token sent.",
+    ["model", "route"],
+    buckets=_LATENCY_BUCKETS,
+)
+ITL = Histogram(
+    "llmgate_inter_token_latency_seconds",
+    "Streaming: time between successive chunks of one response.",
+    ["model"],
+    buckets=_TOKEN_GAP_BUCKETS,
+)
+PROMPT_TOKENS = Counter("llmgate_prompt_tokens", "Prompt tokens of finished requests.", ["model"])
+GENERATION_TOKENS = Counter(
+    "llmgate_generation_tokens", "Generated tokens of finished requests.", ["model"]
+)
+IN_FLIGHT = Gauge(
+    "llmgate_requests_in_flight",
+    "Requests sent to a worker, not finished.",
+    multiprocess_mode="livesum",
+)
+QUEUE_DEPTH = Gauge(
+    "llmgate_queue_depth", "Requests waiting for a free worker slot.", multiprocess_mode="livesum"
+)
+RETRIES = Counter("llmgate_retries", "Requests re-sent to another worker, by reason.", ["reason"])
+REJECTED = Counter(
+    "llmgate_rejected",
+    "Requests refused before reaching a worker, by reason "
+    "(queue_full and queue_timeout are 429s, no_worker is 503).",
+    ["reason"],
+)
+
+WORKER_HEALTHY = Gauge(
+    "llmgate_worker_healthy",
+    "1 while the worker's heartbeats arrive.",
+    ["worker"],
+    multiprocess_mode="mostrecent",
+)
+WORKER_RUNNING = Gauge(
+    "llmgate_worker_requests_running",
+    "Requests the worker's engine is running, as last reported.",
+    ["worker"],
+    multiprocess_mode="mostrecent",
+)
+WORKER_WAITING = Gauge(
+    "llmgate_worker_requests_waiting",
+    "Requests waiting in the worker's engine, as last reported.",
+    ["worker"],
+    multiprocess_mode="mostrecent",
+)
+WORKER_KV_USAGE = Gauge(
+    "llmgate_worker_kv_cache_usage_ratio",
+    "The worker's KV-cache use (0-1), as last reported.",
+    ["worker"],
+    multiprocess_mode="mostrecent",
+)
+WORKER_IN_FLIGHT = Gauge(
+    "llmgate_worker_in_flight",
+    "Requests this gateway has in flight on the worker.",
+    ["worker"],
+    multiprocess_mode="livesum",
+)
+
+
+def render() -> tuple[bytes, str]:
+    """The exposition text and its content type."""
+    if os.environ.get(MULTIPROC_ENV):
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+
+
+def mark_process_dead(pid: int) -> None:
+    """Drop a finished gateway process's live gauges (multiprocess mode)."""
+    if os.environ.get(MULTIPROC_ENV):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]

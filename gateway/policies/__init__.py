@@ -1,0 +1,64 @@
+"""Routing policies: which of the eligible workers gets a request.
+
+Every policy has one method, ``select(context) -> WorkerState``. The pool
+calls it only with workers that are healthy, serve the requested model, are
+not draining and have a free slot, so a policy only chooses among equals in
+eligibility. Policies keep no per-request or per-key state (the memory of
+routing stays bounded whatever the traffic):
+
+* ``least-load`` (default): power of two choices over each worker's load,
+  its requests in flight from this gateway plus the waiting requests it last
+  reported (``gateway.policies.least_load``);
+* ``prefix``: rendezvous hashing of a session key or the prompt's prefix, with
+  bounded load, so repeated prefixes reach the same vLLM prefix cache
+  (``gateway.policies.prefix``);
+* ``round-robin``: in turn (``gateway.policies.round_robin``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from gateway.pool import WorkerState
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingContext:
+    model: str
+    # Eligible workers (never empty), in a stable order.
+    candidates: Sequence[WorkerState]
+    # Affinity key: a session key, or the start of the prompt; None if the
+    # policy does not use one.
+    key: str | None = None
+
+
+class Policy(Protocol):
+    # Whether the pool must compute ``RoutingContext.key`` for this policy.
+    uses_key: bool
+
+    def select(self, context: RoutingContext) -> WorkerState: ...
+
+
+def load(worker: WorkerState) -> int:
+    """A worker's load as this gateway sees it: own in-flight + reported waiting."""
+    return worker.in_flight + worker.waiting
+
+
+def make_policy(name: str, load_factor: float) -> Policy:
+    from gateway.policies.least_load import LeastLoad
+    from gateway.policies.prefix import PrefixAffinity
+    from gateway.policies.round_robin import RoundRobin
+
+    if name == "least-load":
+        return LeastLoad()
+    if name == "prefix":
+        return PrefixAffinity(load_factor)
+    if name == "round-robin":
+        return RoundRobin()
+    raise ValueError(f"unknown routing policy {name!r}: use least-load, prefix or round-robin")
+
+
+POLICY_NAMES = ("least-load", "prefix", "round-robin")

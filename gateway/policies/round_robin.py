@@ -1,0 +1,21 @@
+"""Each eligible worker in turn."""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING
+
+from gateway.policies import RoutingContext
+
+if TYPE_CHECKING:
+    from gateway.pool import WorkerState
+
+
+class RoundRobin:
+    uses_key = False
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def select(self, context: RoutingContext) -> WorkerState:
+        return context.candidates[next(self._counter) % len(context.candidates)]

@@ -1,0 +1,121 @@
+"""Routing policies: least-load, prefix affinity with bounded load, round-robin."""
+
+from __future__ import annotations
+
+import collections
+import random
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from gateway.policies import RoutingContext, load, make_policy
+from gateway.policies.least_load import LeastLoad
+from gateway.policies.prefix import PrefixAffinity
+from gateway.policies.round_robin import RoundRobin
+from gateway.pool import WorkerState
+
+
+def workers(n: int) -> list[WorkerState]:
+    return [
+        WorkerState(link=SimpleNamespace(address=f"tcp://10.0.0.{i}:5550"))  # type: ignore[arg-type]
+        for i in range(n)
+    ]
+
+
+def ctx(candidates: list[WorkerState], key: str | None = None) -> RoutingContext:
+    return RoutingContext("m", candidates, key)
+
+
+def test_load_is_own_in_flight_plus_reported_waiting() -> None:
+    (worker,) = workers(1)
+    worker.in_flight, worker.waiting, worker.running = 3, 2, 50
+    assert load(worker) == 5
+
+
+def test_least_load_takes_the_lighter_of_two() -> None:
+    pool = workers(2)
+    pool[0].in_flight = 10
+    policy = LeastLoad(random.Random(0))
+    assert all(policy.select(ctx(pool)) is pool[1] for _ in range(20))
+
+
+def test_least_load_spreads_equal_workers() -> None:
+    pool = workers(4)
+    policy = LeastLoad(random.Random(1))
+    counts: collections.Counter[str] = collections.Counter()
+    for _ in range(400):
+        chosen = policy.select(ctx(pool))
+        chosen.in_flight += 1
+        counts[chosen.key] += 1
+    # Power of two choices keeps them within a request or two of each other.
+    assert max(counts.values()) - min(counts.values()) <= 2
+
+
+def test_least_load_with_one_candidate() -> None:
+    (only,) = workers(1)
+    assert LeastLoad().select(ctx([only])) is only
+
+
+def test_round_robin_goes_in_turn() -> None:
+    pool = workers(3)
+    policy = RoundRobin()
+    assert [policy.select(ctx(pool)).key for _ in range(6)] == [w.key for w in pool] * 2
+
+
+def test_prefix_sends_a_key_to_the_same_worker() -> None:
+    pool = workers(4)
+    policy = PrefixAffinity()
+    chosen = {policy.select(ctx(pool, "You are a helpful assistant. Q1")).key for _ in range(10)}
+    assert len(chosen) == 1
+
+
+def test_prefix_spreads_different_keys() -> None:
+    pool = workers(4)
+    policy = PrefixAffinity()
+    chosen = collections.Counter(policy.select(ctx(pool, f"key-{i}")).key for i in range(400))
+    assert len(chosen) == 4 and min(chosen.values()) > 50
+
+
+def test_prefix_keeps_a_hot_key_within_the_load_bound() -> None:
+    pool = workers(2)
+    policy = PrefixAffinity(load_factor=1.25)
+    for _ in range(40):
+        context = ctx(pool, "hot prefix")
+        bound = policy.bound(context)
+        chosen = policy.select(context)
+        chosen.in_flight += 1
+        assert chosen.in_flight <= bound
+    # The hot key's home worker holds at most 1.25x the mean: 25 of 40.
+    assert max(w.in_flight for w in pool) <= 25
+    assert min(w.in_flight for w in pool) >= 15
+
+
+def test_removing_a_worker_moves_only_its_keys() -> None:
+    pool = workers(4)
+    policy = PrefixAffinity()
+    keys = [f"session-{i}" for i in range(200)]
+    before = {k: policy.select(ctx(pool, k)).key for k in keys}
+    gone = pool[2]
+    after = {k: policy.select(ctx([w for w in pool if w is not gone], k)).key for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert moved and all(before[k] == gone.key for k in moved)
+
+
+def test_prefix_without_a_key_falls_back_to_least_load() -> None:
+    pool = workers(2)
+    pool[0].in_flight = 5
+    assert PrefixAffinity().select(ctx(pool)) is pool[1]
+
+
+@pytest.mark.parametrize(
+    "name, cls",
+    [("least-load", LeastLoad), ("prefix", PrefixAffinity), ("round-robin", RoundRobin)],
+)
+def test_policies_by_name(name: str, cls: Any) -> None:
+    assert isinstance(make_policy(name, 1.25), cls)
+
+
+def test_unknown_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="least-load"):
+        make_policy("random-ish", 1.25)
