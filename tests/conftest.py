@@ -41,6 +41,8 @@ class Served:
     log_path: Path
     # ZeroMQ address of worker i is tcp://127.0.0.1:(worker_port + i).
     worker_port: int = 0
+    # Prometheus port of worker 0 (vLLM's metrics), when it serves them.
+    worker_metrics_port: int = 0
 
     def worker_addresses(self, count: int = 1) -> str:
         return ",".join(f"tcp://127.0.0.1:{self.worker_port + i}" for i in range(count))
@@ -131,7 +133,9 @@ def stop_serve(served: Served, sig: int = signal.SIGTERM, timeout: float = 60.0)
 @pytest.fixture(scope="session")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    running = start_serve(log_path)
+    metrics_port = free_port()
+    running = start_serve(log_path, "--worker-metrics-port", str(metrics_port))
+    running.worker_metrics_port = metrics_port
     try:
         yield running
     finally:

@@ -146,8 +146,10 @@ def _worker_child(
         f"worker-{index}",
         "--log-level",
         serve.log_level.upper(),
-        *engine_args,
     ]
+    if serve.worker_metrics_port:
+        argv += ["--metrics-port", str(serve.worker_metrics_port + index)]
+    argv += engine_args
     return Child(name=f"worker-{index}", argv=argv, env=env)
 
 

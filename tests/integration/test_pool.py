@@ -244,3 +244,24 @@ def test_several_gateway_processes_share_the_port_and_the_metrics(gateway: Serve
     gateway.proc.send_signal(signal.SIGTERM)
     assert gateway.proc.wait(timeout=30) == 0
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in servers)
+
+
+def test_the_worker_serves_vllms_own_metrics(served: Served) -> None:
+    url = f"http://127.0.0.1:{served.worker_metrics_port}/metrics"
+    before = httpx.get(url, timeout=5).text
+    assert "vllm:num_requests_running" in before
+    response = httpx.post(
+        f"{served.base_url}/v1/completions",
+        timeout=60,
+        json={"model": MODEL, "prompt": "Hi", "max_tokens": 3, "ignore_eos": True},
+    )
+    assert response.status_code == 200
+
+    def generated(text: str) -> float:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "vllm:generation_tokens_total":
+                    return float(sample.value)
+        return 0.0
+
+    assert generated(httpx.get(url, timeout=5).text) >= generated(before) + 3

@@ -45,3 +45,10 @@ def test_gpu_device_without_gpus_is_an_error(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     with pytest.raises(SystemExit, match="GPU"):
         launcher.plan_workers(ServeSettings(device="gpu"), [])
+
+
+def test_worker_metrics_ports_follow_the_base(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    children = launcher.plan_workers(ServeSettings(worker_metrics_port=8100), [])
+    ports = [c.argv[c.argv.index("--metrics-port") + 1] for c in children]
+    assert ports == ["8100", "8101"]
