@@ -34,9 +34,10 @@ def usage_json(usage: protocol.Usage) -> dict[str, int]:
 
 
 class _Choice:
-    __slots__ = ("finish_reason", "logprobs", "offset", "started", "stop_reason", "text")
+    __slots__ = ("echo", "finish_reason", "logprobs", "offset", "started", "stop_reason", "text")
 
     def __init__(self) -> None:
+        self.echo = ""
         self.text: list[str] = []
         self.logprobs: list[protocol.TokenLogprob] = []
         self.finish_reason: str | None = None
@@ -46,6 +47,9 @@ class _Choice:
         self.started = False
 
     def add(self, delta: protocol.Delta) -> None:
+        if delta.echo is not None:
+            self.echo = delta.echo
+            self.text.append(delta.echo)
         self.text.append(delta.text)
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
@@ -131,13 +135,20 @@ class Completion(_Response):
         return {
             "index": index,
             "text": "".join(choice.text),
-            "logprobs": self._logprobs(choice.logprobs, 0) if self.top_n is not None else None,
+            "logprobs": (
+                self._logprobs(choice.logprobs, len(choice.echo))
+                if self.top_n is not None
+                else None
+            ),
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
         }
 
     def chunk(self, delta: protocol.Delta) -> bytes:
         choice = self._choice(delta.index)
+        text = delta.text if delta.echo is None else delta.echo + delta.text
+        if delta.echo is not None:
+            choice.offset += len(delta.echo)
         logprobs = None
         if self.top_n is not None:
             logprobs = self._logprobs(delta.logprobs or [], choice.offset)
@@ -146,7 +157,7 @@ class Completion(_Response):
         payload["choices"] = [
             {
                 "index": delta.index,
-                "text": delta.text,
+                "text": text,
                 "logprobs": logprobs,
                 "finish_reason": delta.finish_reason,
                 "stop_reason": delta.stop_reason,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import cast
 
 import msgspec
 import zmq
@@ -63,15 +64,29 @@ class WorkerLink:
             )
 
     def send(self, message: protocol.ToWorker) -> bool:
-        """Queue ``message`` for the worker; False if it cannot be sent now."""
-        try:
-            self.sock.send(self._encoder.encode(message), flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return False
-        except zmq.ZMQError as exc:
-            log.warning("send to %s failed: %s", self.address, exc)
-            return False
-        return True
+        """Queue ``message`` for the worker; False if it cannot be sent now.
+
+        An asyncio socket's send returns a future; with NOBLOCK it is settled
+        at once, and a failure (no connected peer: ``zmq.Again``, thanks to
+        ``IMMEDIATE``) is read from it here rather than left unretrieved.
+        """
+        future = cast(
+            "asyncio.Future[object]",
+            self.sock.send(self._encoder.encode(message), flags=zmq.NOBLOCK, copy=False),
+        )
+        if not future.done():
+            future.add_done_callback(self._log_late_failure)
+            return True
+        error = future.exception()
+        if error is None:
+            return True
+        if not isinstance(error, zmq.Again):
+            log.warning("send to %s failed: %s", self.address, error)
+        return False
+
+    def _log_late_failure(self, future: asyncio.Future[object]) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            log.warning("send to %s failed: %s", self.address, future.exception())
 
     async def _receive_loop(self) -> None:
         while True:

@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # Generous for long prompts and big batches of deltas, small enough that a
 # bad peer cannot make us allocate without bound (ZMQ_MAXMSGSIZE).
@@ -102,6 +102,8 @@ class Delta(msgspec.Struct, array_like=True, gc=False):
     stop_reason: str | int | None = None
     # Set on the request's very last delta: nothing more will come for it.
     usage: Usage | None = None
+    # Completions with ``echo``: the prompt's text, on the choice's first delta.
+    echo: str | None = None
 
 
 class Deltas(_Message, tag="deltas"):

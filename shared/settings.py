@@ -69,6 +69,9 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
         float, _help("seconds between DNS look-ups of worker host names (new pods join)")
     ] = 10.0
     processes: Annotated[int, _help("gateway processes sharing the HTTP port")] = 1
+    max_body_bytes: Annotated[
+        int, _help("largest request body accepted; a larger one gets 413 before it is read")
+    ] = 16 * 1024 * 1024
     drain_timeout: Annotated[
         float, _help("on SIGTERM, seconds to let in-flight requests finish before exiting")
     ] = 30.0
@@ -90,6 +93,16 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     ] = 30.0
     metrics_port: Annotated[
         int, _help("port of this worker's Prometheus /metrics (vLLM's own metrics); 0 = off")
+    ] = 0
+    max_input_tokens: Annotated[
+        int, _help("longest prompt in tokens, else 400 (TGI's flag); 0 = the model's context")
+    ] = 0
+    max_total_tokens: Annotated[
+        int,
+        _help(
+            "most prompt + generated tokens per request, else 400 (TGI's flag); "
+            "0 = the model's context"
+        ),
     ] = 0
     # The log level is vLLM's own --log-level flag (DEBUG, INFO, ...).
 

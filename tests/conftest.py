@@ -44,6 +44,13 @@ class Served:
     # Prometheus port of worker 0 (vLLM's metrics), when it serves them.
     worker_metrics_port: int = 0
 
+    @property
+    def model_dir(self) -> str:
+        """The embedded model's directory (for its tokenizer)."""
+        from worker.embedded_model import default_model_dir
+
+        return str(default_model_dir())
+
     def worker_addresses(self, count: int = 1) -> str:
         return ",".join(f"tcp://127.0.0.1:{self.worker_port + i}" for i in range(count))
 
@@ -134,7 +141,9 @@ def stop_serve(served: Served, sig: int = signal.SIGTERM, timeout: float = 60.0)
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     metrics_port = free_port()
-    running = start_serve(log_path, "--worker-metrics-port", str(metrics_port))
+    # TGI-style limits on the session's worker (tests/integration/test_api_surface.py).
+    limits = {"LLMGATE_MAX_INPUT_TOKENS": "4000", "LLMGATE_MAX_TOTAL_TOKENS": "6000"}
+    running = start_serve(log_path, "--worker-metrics-port", str(metrics_port), env=limits)
     running.worker_metrics_port = metrics_port
     try:
         yield running

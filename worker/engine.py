@@ -76,12 +76,22 @@ class PreparedPrompt:
     engine_input: Any
     sampling_params: Any
     prompt_tokens: int
+    # The prompt's text, when the response must echo it (completions' ``echo``).
+    echo_text: str | None = None
+
+
+@dataclass(frozen=True)
+class Limits:
+    """TGI-style serving limits, in tokens; 0 means no limit beyond the model's."""
+
+    max_input_tokens: int = 0
+    max_total_tokens: int = 0
 
 
 class Engine:
     """One ``AsyncLLM`` and the request handling around it."""
 
-    def __init__(self, namespace: argparse.Namespace) -> None:
+    def __init__(self, namespace: argparse.Namespace, limits: Limits | None = None) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.renderers.online_renderer import OnlineRenderer
         from vllm.usage.usage_lib import UsageContext
@@ -101,6 +111,7 @@ class Engine:
             else [self.model_config.served_model_name or self.model_config.model]
         )
         self.max_model_len: int = self.model_config.max_model_len
+        self.limits = limits or Limits()
         self.max_num_seqs: int = self.llm.vllm_config.scheduler_config.max_num_seqs
         # The model's generation_config.json defaults, as vllm serve applies them.
         self.default_sampling_params: dict[str, Any] = self.model_config.get_diff_sampling_param()
@@ -132,11 +143,46 @@ class Engine:
         prepared = []
         for engine_input in engine_inputs:
             prompt_tokens = sampling.prompt_length(self.model_config, engine_input)
+            context = self._check_limits(kind, request, prompt_tokens)
             sampling_params = sampling.to_sampling_params(
-                request, prompt_tokens, self.max_model_len, self.default_sampling_params
+                request, prompt_tokens, context, self.default_sampling_params
             )
-            prepared.append(PreparedPrompt(engine_input, sampling_params, prompt_tokens))
+            echo_text = None
+            if kind == "completion" and request.echo:
+                echo_text = self._prompt_text(engine_input)
+            prepared.append(PreparedPrompt(engine_input, sampling_params, prompt_tokens, echo_text))
         return prepared
+
+    def _check_limits(self, kind: protocol.RequestKind, request: Any, prompt_tokens: int) -> int:
+        """Refuse a prompt over the limits (400 naming the limit); the context left to use."""
+        limits = self.limits
+        param = "messages" if kind == "chat" else "prompt"
+        if limits.max_input_tokens and prompt_tokens > limits.max_input_tokens:
+            raise RequestError(
+                400,
+                f"The prompt has {prompt_tokens} tokens, more than this server's "
+                f"--max-input-tokens of {limits.max_input_tokens}.",
+                param,
+            )
+        if not limits.max_total_tokens:
+            return self.max_model_len
+        requested = getattr(request, "max_completion_tokens", None) or request.max_tokens
+        if requested is not None and prompt_tokens + requested > limits.max_total_tokens:
+            raise RequestError(
+                400,
+                f"The prompt ({prompt_tokens} tokens) plus max_tokens ({requested}) is "
+                f"{prompt_tokens + requested} tokens, more than this server's "
+                f"--max-total-tokens of {limits.max_total_tokens}.",
+                "max_tokens",
+            )
+        return min(self.max_model_len, limits.max_total_tokens)
+
+    def _prompt_text(self, engine_input: Any) -> str:
+        text = engine_input.get("prompt") if isinstance(engine_input, dict) else None
+        if text is None:
+            token_ids = sampling.prompt_token_ids(self.model_config, engine_input)
+            text = self.llm.renderer.get_tokenizer().decode(token_ids)
+        return str(text)
 
     async def run(
         self, request_id: str, prompts: list[PreparedPrompt]
@@ -153,16 +199,24 @@ class Engine:
             for i, p in enumerate(prompts)
         ]
         completion_tokens = 0
+        echoed: set[int] = set()
         async for prompt_index, output in merge_async_iterators(*generators):
-            n = prompts[prompt_index].sampling_params.n
-            want_logprobs = prompts[prompt_index].sampling_params.logprobs is not None
+            prompt = prompts[prompt_index]
+            n = prompt.sampling_params.n
+            want_logprobs = prompt.sampling_params.logprobs is not None
             deltas = []
             for choice in output.outputs:
                 completion_tokens += len(choice.token_ids)
+                index = prompt_index * n + choice.index
+                echo = None
+                if prompt.echo_text is not None and index not in echoed:
+                    echoed.add(index)
+                    echo = prompt.echo_text
                 deltas.append(
                     protocol.Delta(
                         request_id=request_id,
-                        index=prompt_index * n + choice.index,
+                        index=index,
+                        echo=echo,
                         text=choice.text,
                         num_tokens=len(choice.token_ids),
                         logprobs=(

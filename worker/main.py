@@ -63,11 +63,13 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(getattr(namespace, "log_level", None) or "info")
     apply_embedded_model_defaults(namespace)
 
-    from worker.engine import Engine
+    from worker.engine import Engine, Limits
     from worker.server import WorkerServer
 
+    limits = Limits(worker_settings.max_input_tokens, worker_settings.max_total_tokens)
+
     async def run() -> None:
-        engine = Engine(namespace)
+        engine = Engine(namespace, limits)
         try:
             await WorkerServer(worker_settings, engine).serve()
         finally:

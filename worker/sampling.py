@@ -47,6 +47,12 @@ def prompt_length(model_config: Any, engine_input: Any) -> int:
     return int(extract_prompt_len(model_config, engine_input))
 
 
+def prompt_token_ids(model_config: Any, engine_input: Any) -> list[int]:
+    from vllm.renderers.inputs.preprocess import extract_target_prompt
+
+    return list(extract_target_prompt(model_config, engine_input).get("prompt_token_ids") or [])
+
+
 def to_sampling_params(
     request: Any, prompt_tokens: int, max_model_len: int, defaults: dict[str, Any]
 ) -> Any:

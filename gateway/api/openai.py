@@ -61,10 +61,11 @@ async def list_models(request: Request) -> Response:
 
 @router.post("/v1/completions")
 async def create_completion(request: Request) -> Response:
-    raw = schemas.decode_body(await request.body())
+    raw = schemas.decode_body(await _read_body(request))
     body = schemas.validate(raw, schemas.CompletionRequest)
-    if body.echo:
-        raise errors.BadRequest("echo is not supported yet.", "echo")
+    if body.echo and body.logprobs is not None:
+        # That needs the prompt's logprobs too, which workers do not send yet.
+        raise errors.BadRequest("echo together with logprobs is not supported yet.", "echo")
     if body.suffix is not None:
         raise errors.BadRequest("suffix is not supported by this model.", "suffix")
     builder = sse.Completion("", body.model, body.n * _num_prompts(body.prompt), body.logprobs)
@@ -74,11 +75,30 @@ async def create_completion(request: Request) -> Response:
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: Request) -> Response:
-    raw = schemas.decode_body(await request.body())
+    raw = schemas.decode_body(await _read_body(request))
     body = schemas.validate(raw, schemas.ChatCompletionRequest)
     builder = sse.Chat("", body.model, body.n, body.logprobs, body.top_logprobs or 0)
     call = _Call(request, "chat", "/v1/chat/completions", raw, body, builder)
     return await call.serve(lambda: _messages_key(body.messages))
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, refused with 413 as soon as it is known to be over ``--max-body-bytes``."""
+    limit = _pool(request).settings.max_body_bytes
+    too_large = errors.PayloadTooLarge(
+        f"The request body is larger than this server's --max-body-bytes of {limit} bytes."
+    )
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large  # without reading a byte of it
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _num_prompts(prompt: str | list[Any]) -> int:

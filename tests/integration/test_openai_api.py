@@ -289,10 +289,10 @@ def test_empty_messages_is_400(client: openai.OpenAI) -> None:
         client.chat.completions.create(model=MODEL, messages=[])
 
 
-def test_prompt_longer_than_the_context_is_400(client: openai.OpenAI) -> None:
+def test_prompt_longer_than_the_limits_is_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt=[1] * 9000, max_tokens=1)
-    assert "8192" in info.value.message
+    assert "9000" in info.value.message
 
 
 def test_streaming_request_errors_before_the_stream_starts(client: openai.OpenAI) -> None:

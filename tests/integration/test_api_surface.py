@@ -1,0 +1,190 @@
+"""More of the OpenAI/vLLM API against the real worker: structured outputs, echo, limits.
+
+Structured outputs go through vLLM's own backends (the gateway forwards
+``response_format`` and ``structured_outputs`` untouched); the limits are
+the session worker's ``--max-input-tokens 4000 --max-total-tokens 6000``
+and the gateway's ``--max-body-bytes``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.conftest import MODEL, Served
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_json_schema_output_validates(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        max_tokens=80,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON},
+        },
+    )
+    jsonschema.validate(json.loads(response.choices[0].message.content or ""), PERSON)
+
+
+def test_json_object_output_parses(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": 'Reply with the JSON object {"animal": "cat"}.'}],
+        max_tokens=300,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    assert response.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(response.choices[0].message.content or ""), dict)
+
+
+def test_regex_output_matches(client: openai.OpenAI) -> None:
+    pattern = r"[0-9]{3}-[0-9]{4}"
+    response = client.completions.create(
+        model=MODEL,
+        prompt="Phone number:",
+        max_tokens=20,
+        extra_body={"structured_outputs": {"regex": pattern}},
+    )
+    assert re.fullmatch(pattern, response.choices[0].text)
+
+
+def test_choice_output_is_one_of_the_choices(client: openai.OpenAI) -> None:
+    choices = ["red", "green", "blue"]
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=10,
+        extra_body={"structured_outputs": {"choice": choices}},
+    )
+    assert response.choices[0].message.content in choices
+
+
+@pytest.mark.parametrize("structured", [{"regex": "[0-9"}, {"json": {"type": "no-such-type"}}])
+def test_an_invalid_constraint_is_400_and_the_worker_lives_on(
+    client: openai.OpenAI, structured: dict
+) -> None:
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(
+            model=MODEL, prompt="x", max_tokens=5, extra_body={"structured_outputs": structured}
+        )
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
+
+
+def test_tool_choice_auto_without_a_tool_parser_is_a_clear_400(client: openai.OpenAI) -> None:
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[tool],
+            tool_choice="auto",
+            max_tokens=5,
+        )
+    assert "tool" in info.value.message
+
+
+def test_echo_returns_the_prompt_then_the_completion(client: openai.OpenAI) -> None:
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0)
+    echoed = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=5, temperature=0, echo=True
+    )
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    chunks = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=5, temperature=0, echo=True, stream=True
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == echoed.choices[0].text
+
+
+def test_echo_of_token_ids_decodes_them(client: openai.OpenAI, served: Served) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(served.model_dir)
+    ids = tokenizer.encode("Hello there, friend", add_special_tokens=False)
+    plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0)
+    echoed = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=3, temperature=0, echo=True
+    )
+    assert echoed.choices[0].text == tokenizer.decode(ids) + plain.choices[0].text
+
+
+def test_content_parts_are_rendered_like_plain_text(client: openai.OpenAI) -> None:
+    question = "What is the capital of France?"
+    plain = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=10, temperature=0
+    )
+    parts = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": [{"type": "text", "text": question}]}],
+        max_tokens=10,
+        temperature=0,
+    )
+    assert parts.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_a_prompt_over_max_input_tokens_is_400_naming_the_limit(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=[1] * 4001, max_tokens=1)
+    assert "--max-input-tokens of 4000" in info.value.message
+    assert "4001" in info.value.message
+
+
+def test_prompt_plus_max_tokens_over_max_total_tokens_is_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=[1] * 3000, max_tokens=3500)
+    assert "--max-total-tokens of 6000" in info.value.message
+    assert info.value.body["param"] == "max_tokens"  # type: ignore[index]
+
+
+def test_a_declared_oversized_body_is_413_before_it_is_sent(served: Served) -> None:
+    host, port = served.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 100000000\r\n\r\n"
+        )
+        reply = sock.recv(4096).decode()
+    assert reply.startswith("HTTP/1.1 413")
+    assert "max-body-bytes" in reply
+
+
+def test_a_streamed_oversized_body_is_413(served: Served) -> None:
+    def body():  # type: ignore[no-untyped-def]  # chunked: no Content-Length
+        for _ in range(17):
+            yield b" " * (1024 * 1024)
+
+    response = httpx.post(
+        f"{served.base_url}/v1/completions",
+        content=body(),
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert response.status_code == 413
+    assert response.json()["error"]["message"].startswith("The request body is larger")
