@@ -157,10 +157,9 @@ class Pool:
     # -- admission and routing ---------------------------------------------
 
     def _capacity(self, worker: WorkerState) -> int:
-        limit = self.settings.max_inflight_per_worker
-        if worker.capacity and (not limit or worker.capacity < limit):
-            return worker.capacity
-        return limit or worker.capacity or 1
+        """The smaller of what the worker reports and --max-inflight-per-worker (0s unset)."""
+        set_limits = [n for n in (worker.capacity, self.settings.max_inflight_per_worker) if n]
+        return min(set_limits, default=1)
 
     def _eligible(self, model: str, exclude: Collection[WorkerState]) -> list[WorkerState]:
         """Healthy, serving ``model``, not draining, not excluded; 404/503 if none."""

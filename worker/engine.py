@@ -166,7 +166,7 @@ class Engine:
             )
         if not limits.max_total_tokens:
             return self.max_model_len
-        requested = getattr(request, "max_completion_tokens", None) or request.max_tokens
+        requested = sampling.requested_max_tokens(request)
         if requested is not None and prompt_tokens + requested > limits.max_total_tokens:
             raise RequestError(
                 400,
@@ -235,9 +235,6 @@ class Engine:
             completion_tokens=completion_tokens,
         )
         yield [protocol.Delta(request_id=request_id, index=0, usage=usage)]
-
-    async def abort(self, request_id: str, num_prompts: int) -> None:
-        await self.llm.abort([f"{request_id}-{i}" for i in range(num_prompts)])
 
     def load(self) -> tuple[int, int, float]:
         """(running, waiting, KV-cache usage) of the engine, now.

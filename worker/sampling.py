@@ -53,6 +53,14 @@ def prompt_token_ids(model_config: Any, engine_input: Any) -> list[int]:
     return list(extract_target_prompt(model_config, engine_input).get("prompt_token_ids") or [])
 
 
+def requested_max_tokens(request: Any) -> int | None:
+    """What the request asks for: chat's ``max_completion_tokens`` first, else ``max_tokens``."""
+    requested: int | None = getattr(request, "max_completion_tokens", None)
+    if requested is None:
+        requested = request.max_tokens
+    return requested
+
+
 def to_sampling_params(
     request: Any, prompt_tokens: int, max_model_len: int, defaults: dict[str, Any]
 ) -> Any:
@@ -65,9 +73,7 @@ def to_sampling_params(
     from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
     from vllm.exceptions import VLLMValidationError
 
-    requested = getattr(request, "max_completion_tokens", None)
-    if requested is None:
-        requested = request.max_tokens
+    requested = requested_max_tokens(request)
     try:
         max_tokens = get_max_tokens(
             max_model_len,

@@ -25,7 +25,7 @@ import zmq.asyncio
 
 from shared import protocol
 from shared.settings import WorkerSettings
-from worker.engine import Engine, PreparedPrompt
+from worker.engine import Engine
 from worker.sampling import RequestError
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,6 @@ Identity = bytes
 class _Running:
     identity: Identity
     task: asyncio.Task[None]
-    num_prompts: int = 0
 
 
 @dataclass
@@ -180,11 +179,8 @@ class WorkerServer:
 
     async def _run(self, identity: Identity, message: protocol.Generate) -> None:
         request_id = message.request_id
-        running = self.requests[request_id]
-        prompts: list[PreparedPrompt] = []
         try:
             prompts = await self.engine.prepare(message.kind, message.params)
-            running.num_prompts = len(prompts)
             timeout = message.deadline - time.time() if message.deadline else None
             if timeout is not None and timeout <= 0:
                 raise RequestError(504, "request deadline passed before it started")

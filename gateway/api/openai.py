@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +70,7 @@ async def create_completion(request: Request) -> Response:
         raise errors.BadRequest("suffix is not supported by this model.", "suffix")
     builder = sse.Completion("", body.model, body.n * _num_prompts(body.prompt), body.logprobs)
     call = _Call(request, "completion", "/v1/completions", raw, body, builder)
-    return await call.serve(lambda: _prompt_key(body.prompt))
+    return await call.serve(lambda limit: _prompt_key(body.prompt, limit))
 
 
 @router.post("/v1/chat/completions")
@@ -79,7 +79,7 @@ async def create_chat_completion(request: Request) -> Response:
     body = schemas.validate(raw, schemas.ChatCompletionRequest)
     builder = sse.Chat("", body.model, body.n, body.logprobs, body.top_logprobs or 0)
     call = _Call(request, "chat", "/v1/chat/completions", raw, body, builder)
-    return await call.serve(lambda: _messages_key(body.messages))
+    return await call.serve(lambda limit: _messages_key(body.messages, limit))
 
 
 async def _read_body(request: Request) -> bytes:
@@ -107,20 +107,24 @@ def _num_prompts(prompt: str | list[Any]) -> int:
     return len(prompt)
 
 
-def _prompt_key(prompt: str | list[Any]) -> str:
-    return prompt if isinstance(prompt, str) else repr(prompt[:64])
+def _prompt_key(prompt: str | list[Any], limit: int) -> str:
+    """The first ``limit`` characters of the prompt (token ids as their repr)."""
+    return (prompt if isinstance(prompt, str) else repr(prompt[:limit]))[:limit]
 
 
-def _messages_key(messages: list[schemas.ChatMessage]) -> str:
+def _messages_key(messages: list[schemas.ChatMessage], limit: int) -> str:
+    """The first ``limit`` characters of the conversation, roles included."""
     parts = []
+    size = 0
     for message in messages:
         content = message.content
         if isinstance(content, list):
             content = " ".join(str(p.get("text", "")) for p in content)
         parts.append(f"{message.role}:{content or ''}")
-        if sum(len(p) for p in parts) > 4096:
+        size += len(parts[-1]) + 1
+        if size >= limit:
             break
-    return "\n".join(parts)
+    return "\n".join(parts)[:limit]
 
 
 def _deadline(request: Request, default_timeout: float) -> float:
@@ -159,12 +163,12 @@ class _Call:
         self.tried: set[WorkerState] = set()
         self.status = 200
 
-    async def serve(self, key_of: Any) -> Response:
+    async def serve(self, key_of: Callable[[int], str]) -> Response:
         settings = self.pool.settings
         key = None
         if self.pool.policy.uses_key:
             session = self.request.headers.get(SESSION_HEADER) or self.body.user
-            key = session if session else key_of()[: settings.prefix_chars]
+            key = session if session else key_of(settings.prefix_chars)
         try:
             if self.body.stream:
                 return await self._start_stream(key)
