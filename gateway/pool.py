@@ -121,8 +121,8 @@ class Pool:
     # -- lifecycle ---------------------------------------------------------
 
     async def start(self) -> None:
+        log.info("gateway id %s", self.gateway_id)
         await self._resolve()
-        self._ping_all()
         self._tasks.append(asyncio.create_task(self._monitor_loop(), name="pool monitor"))
         if any(_needs_resolution(spec) for spec in self._specs):
             self._tasks.append(asyncio.create_task(self._resolve_loop(), name="pool resolve"))
@@ -339,6 +339,10 @@ class Pool:
         if not was_healthy:
             self._wake()
 
+    def _on_connect(self, link: WorkerLink) -> None:
+        # The worker answers a gateway's first message with a heartbeat at once.
+        link.send(protocol.Ping(gateway_id=self.gateway_id, sent_at=time.time()))
+
     def _on_disconnect(self, link: WorkerLink) -> None:
         worker = self.workers.get(link.address)
         if worker is not None and worker.link is link and worker.healthy:
@@ -387,11 +391,15 @@ class Pool:
             addresses.update(await resolve(spec))
         for address in addresses - self.workers.keys():
             link = WorkerLink(
-                self.ctx, address, self.gateway_id.encode(), self._on_message, self._on_disconnect
+                self.ctx,
+                address,
+                self.gateway_id.encode(),
+                self._on_message,
+                on_disconnect=self._on_disconnect,
+                on_connect=self._on_connect,
             )
             self.workers[address] = WorkerState(link=link)
-            link.start()
-            link.send(protocol.Ping(gateway_id=self.gateway_id, sent_at=time.time()))
+            link.start()  # it says hello (a ping) once its handshake is done
             log.info("worker address %s added", address)
         for address in self.workers.keys() - addresses:
             worker = self.workers[address]

@@ -22,7 +22,7 @@ from shared import protocol
 log = logging.getLogger(__name__)
 
 OnMessage = Callable[["WorkerLink", protocol.ToGateway], None]
-OnDisconnect = Callable[["WorkerLink"], None]
+OnLinkEvent = Callable[["WorkerLink"], None]
 
 
 class WorkerLink:
@@ -32,7 +32,8 @@ class WorkerLink:
         address: str,
         identity: bytes,
         on_message: OnMessage,
-        on_disconnect: OnDisconnect | None = None,
+        on_disconnect: OnLinkEvent | None = None,
+        on_connect: OnLinkEvent | None = None,
     ) -> None:
         self.address = address
         self.sock = ctx.socket(zmq.DEALER)
@@ -51,14 +52,19 @@ class WorkerLink:
         self._decoder = protocol.gateway_decoder()
         self._on_message = on_message
         self._on_disconnect = on_disconnect
+        self._on_connect = on_connect
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._receive_loop(), name=f"link {self.address}"))
-        if self._on_disconnect is not None:
+        if self._on_disconnect is not None or self._on_connect is not None:
             # A crashed worker's TCP connection drops at once: learning that from
-            # ZMQ's socket monitor beats waiting out the heartbeat timeout.
-            monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            # ZMQ's socket monitor beats waiting out the heartbeat timeout. And a
+            # finished handshake is the first moment a message can be sent
+            # (IMMEDIATE drops anything sent sooner), so the pool says hello then.
+            monitor = self.sock.get_monitor_socket(
+                zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            )
             self._tasks.append(
                 asyncio.create_task(self._monitor_loop(monitor), name=f"monitor {self.address}")
             )
@@ -107,6 +113,8 @@ class WorkerLink:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_DISCONNECTED and self._on_disconnect:
                     self._on_disconnect(self)
+                elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._on_connect:
+                    self._on_connect(self)
         finally:
             monitor.close(0)
 

@@ -335,7 +335,10 @@ async def _until_disconnect(request: Request, work: Any) -> Any:
     finally:
         watcher.cancel()
         if not task.done():
+            # cancel() only asks; wait for the work to unwind (its finally
+            # blocks abort the request) so its result is never read unset.
             task.cancel()
+            await asyncio.wait({task})
     if task.cancelled():
         return None
     return task.result()
