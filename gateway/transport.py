@@ -47,26 +47,31 @@ class WorkerLink:
         self.sock.setsockopt(zmq.IMMEDIATE, 1)
         self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        self.sock.connect(address)
         self._encoder = protocol.encoder()
         self._decoder = protocol.gateway_decoder()
         self._on_message = on_message
         self._on_disconnect = on_disconnect
         self._on_connect = on_connect
         self._tasks: list[asyncio.Task[None]] = []
-
-    def start(self) -> None:
-        self._tasks.append(asyncio.create_task(self._receive_loop(), name=f"link {self.address}"))
-        if self._on_disconnect is not None or self._on_connect is not None:
+        self._monitor: zmq.asyncio.Socket | None = None
+        if on_disconnect is not None or on_connect is not None:
             # A crashed worker's TCP connection drops at once: learning that from
             # ZMQ's socket monitor beats waiting out the heartbeat timeout. And a
             # finished handshake is the first moment a message can be sent
             # (IMMEDIATE drops anything sent sooner), so the pool says hello then.
-            monitor = self.sock.get_monitor_socket(
+            # Attached before connect(): on loopback the handshake is that quick.
+            self._monitor = self.sock.get_monitor_socket(
                 zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
             )
+        self.sock.connect(address)
+
+    def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._receive_loop(), name=f"link {self.address}"))
+        if self._monitor is not None:
             self._tasks.append(
-                asyncio.create_task(self._monitor_loop(monitor), name=f"monitor {self.address}")
+                asyncio.create_task(
+                    self._monitor_loop(self._monitor), name=f"monitor {self.address}"
+                )
             )
 
     def send(self, message: protocol.ToWorker) -> bool:
@@ -127,4 +132,6 @@ class WorkerLink:
             except asyncio.CancelledError:
                 pass
         self.sock.disable_monitor()
+        if self._monitor is not None:
+            self._monitor.close(0)
         self.sock.close(0)
