@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
 
-.PHONY: install run test test-fast lint format bench-smoke clean
+.PHONY: install run test test-fast lint format bench bench-overhead bench-smoke loadtest clean
 
 install:
 	@scripts/install.sh
@@ -18,16 +18,27 @@ test-fast: install
 	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
 
 lint: install
-	$(PY) -m ruff format --check gateway worker shared tests loadtest
-	$(PY) -m ruff check gateway worker shared tests loadtest
+	$(PY) -m ruff format --check gateway worker shared tests loadtest deploy
+	$(PY) -m ruff check gateway worker shared tests loadtest deploy
 	$(PY) -m mypy
 
 format: install
-	$(PY) -m ruff format gateway worker shared tests loadtest
-	$(PY) -m ruff check --fix gateway worker shared tests loadtest
+	$(PY) -m ruff format gateway worker shared tests loadtest deploy
+	$(PY) -m ruff check --fix gateway worker shared tests loadtest deploy
+
+# llmgate against vLLM, vllm-router, the FastAPI batching baseline and vLLM in-process.
+bench: install
+	$(PY) -m loadtest.bench $(ARGS)
+
+# The gateway's own cost over a zero-cost fake worker, beside vllm-router (needs wrk).
+bench-overhead: install
+	$(PY) -m loadtest.overhead $(ARGS)
 
 bench-smoke: install
 	$(PY) -m loadtest.bench_smoke $(ARGS)
+
+loadtest: install
+	$(PY) -m loadtest.loadtest $(ARGS)
 
 clean:
 	rm -rf $(VENV) .models .pytest_cache .mypy_cache .ruff_cache loadtest/results

@@ -12,8 +12,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from gateway import errors, metrics
-from gateway.api import health, openai
+from gateway import errors, metrics, openapi, sse, tgi
+from gateway.api import auth, health, openai
+from gateway.api import tgi as tgi_routes
 from gateway.pool import Pool
 from shared.settings import GatewaySettings
 
@@ -43,7 +44,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         title="llmgate", summary="OpenAI-compatible gateway over vLLM workers", lifespan=lifespan
     )
     app.include_router(openai.router)
+    app.include_router(tgi_routes.router)
+    openapi.install(app)
     app.include_router(health.router)
+    api_keys = auth.load_api_keys(settings)
+    if api_keys:
+        app.add_middleware(
+            auth.ApiKeyMiddleware, keys=api_keys, protect_metrics=settings.protect_metrics
+        )
     app.add_exception_handler(errors.GatewayError, _gateway_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -51,7 +59,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     return app
 
 
-def _render(error: errors.GatewayError) -> Response:
+def _render(error: errors.GatewayError, request: Request | None = None) -> Response:
+    if request is not None and request.url.path in tgi.PATHS:
+        # TGI's clients read TGI's error body.
+        return Response(
+            sse.encode(tgi.error_body(error)),
+            status_code=tgi.error_status(error),
+            headers=error.headers(),
+            media_type="application/json",
+        )
     return Response(
         error.json(),
         status_code=error.status,
@@ -60,9 +76,9 @@ def _render(error: errors.GatewayError) -> Response:
     )
 
 
-async def _gateway_error(_: Request, exc: Exception) -> Response:
+async def _gateway_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, errors.GatewayError)
-    return _render(exc)
+    return _render(exc, request)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

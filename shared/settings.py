@@ -75,6 +75,33 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     drain_timeout: Annotated[
         float, _help("on SIGTERM, seconds to let in-flight requests finish before exiting")
     ] = 30.0
+    max_n: Annotated[int, _help("most choices (`n`) one request may ask for; more is 400")] = 128
+    max_stop_sequences: Annotated[
+        int, _help("most stop sequences (`stop`) one request may give; more is 400")
+    ] = 16
+    api_keys: Annotated[
+        str,
+        _help(
+            "comma-separated API keys that clients send as `Authorization: Bearer KEY`; "
+            "none here or in --api-keys-file = no authentication"
+        ),
+    ] = ""
+    api_keys_file: Annotated[
+        str, _help("file of API keys, one per line, `#` starts a comment; adds to --api-keys")
+    ] = ""
+    protect_metrics: Annotated[
+        bool, _help("with API keys, require one on /metrics too (/health and /ready stay open)")
+    ] = False
+    curve_gateway_key_file: Annotated[
+        str,
+        _help(
+            "this gateway's CURVE key file (NAME.key_secret from `llmgate keys generate`); "
+            "with --curve-worker-public-key-file, worker links are encrypted; empty = plaintext"
+        ),
+    ] = ""
+    curve_worker_public_key_file: Annotated[
+        str, _help("the workers' CURVE public key file (NAME.key); every worker has this key")
+    ] = ""
     log_level: Annotated[str, _help("log level: debug, info, warning, error")] = "info"
 
 
@@ -104,6 +131,17 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
             "0 = the model's context"
         ),
     ] = 0
+    curve_worker_key_file: Annotated[
+        str,
+        _help(
+            "this worker's CURVE key file (NAME.key_secret from `llmgate keys generate`); "
+            "set, only gateways with a key in --curve-gateway-keys-dir get in; empty = plaintext"
+        ),
+    ] = ""
+    curve_gateway_keys_dir: Annotated[
+        str,
+        _help("directory of the public key files (*.key) of the gateways this worker accepts"),
+    ] = ""
     # The log level is vLLM's own --log-level flag (DEBUG, INFO, ...).
 
 
@@ -231,6 +269,23 @@ def markdown_table(cls: type[msgspec.Struct]) -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":
+def update_readme(path: str) -> None:
+    """Rewrite the settings tables between the README's ``<!-- settings:Cls -->`` markers."""
+    with open(path) as file:
+        text = file.read()
     for settings_cls in (ServeSettings, GatewaySettings, WorkerSettings):
-        print(f"{settings_cls.__name__}\n\n{markdown_table(settings_cls)}\n")
+        begin = f"<!-- settings:{settings_cls.__name__} -->\n"
+        end = f"\n<!-- /settings:{settings_cls.__name__} -->"
+        head, _, rest = text.partition(begin)
+        _, _, tail = rest.partition(end)
+        text = f"{head}{begin}{markdown_table(settings_cls)}{end}{tail}"
+    with open(path, "w") as file:
+        file.write(text)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--update"]:
+        update_readme(sys.argv[2] if len(sys.argv) > 2 else "README.md")
+    else:
+        for settings_cls in (ServeSettings, GatewaySettings, WorkerSettings):
+            print(f"{settings_cls.__name__}\n\n{markdown_table(settings_cls)}\n")

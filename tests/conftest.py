@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,15 +20,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loadtest.procs import free_port, free_port_range
+
 MODEL = "smollm2-135m-instruct"
 STARTUP_TIMEOUT = 300.0
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -57,22 +52,6 @@ class Served:
     def log_tail(self, lines: int = 60) -> str:
         text = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(text[-lines:])
-
-
-def free_port_range(count: int) -> int:
-    """A base port such that base..base+count-1 are free now."""
-    for _ in range(50):
-        base = free_port()
-        if base + count > 65535:
-            continue
-        try:
-            for offset in range(1, count):
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", base + offset))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port range")
 
 
 def start_serve(

@@ -19,5 +19,6 @@ def test_settings_table_matches_the_code(cls: type) -> None:
     assert begin in README, f"no settings table for {cls.__name__} in the README"
     table = README.split(begin, 1)[1].split(end, 1)[0]
     assert table == settings.markdown_table(cls), (
-        "README settings table is out of date: regenerate it with `python -m shared.settings`"
+        "README settings table is out of date: regenerate it with "
+        "`python -m shared.settings --update README.md`"
     )

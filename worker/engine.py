@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +91,9 @@ class Limits:
 class Engine:
     """One ``AsyncLLM`` and the request handling around it."""
 
+    # What ``vllm serve`` reports as ``system_fingerprint`` (set from the config).
+    system_fingerprint: str = ""
+
     def __init__(self, namespace: argparse.Namespace, limits: Limits | None = None) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.renderers.online_renderer import OnlineRenderer
@@ -115,6 +118,8 @@ class Engine:
         self.max_num_seqs: int = self.llm.vllm_config.scheduler_config.max_num_seqs
         # The model's generation_config.json defaults, as vllm serve applies them.
         self.default_sampling_params: dict[str, Any] = self.model_config.get_diff_sampling_param()
+        self.special_ids = frozenset(self.llm.renderer.get_tokenizer().all_special_ids)
+        self.system_fingerprint = _system_fingerprint(self.llm.vllm_config)
         self.renderer = OnlineRenderer(
             self.model_config,
             self.llm.renderer,
@@ -208,19 +213,26 @@ class Engine:
             for choice in output.outputs:
                 completion_tokens += len(choice.token_ids)
                 index = prompt_index * n + choice.index
-                echo = None
+                echo = echo_logprobs = echo_ids = None
                 if prompt.echo_text is not None and index not in echoed:
                     echoed.add(index)
                     echo = prompt.echo_text
+                    echo_ids = list(output.prompt_token_ids or [])
+                    if want_logprobs and output.prompt_logprobs is not None:
+                        echo_logprobs = self._prompt_logprobs(
+                            output.prompt_token_ids or [], output.prompt_logprobs
+                        )
                 deltas.append(
                     protocol.Delta(
                         request_id=request_id,
                         index=index,
                         echo=echo,
+                        echo_logprobs=echo_logprobs,
+                        prompt_token_ids=echo_ids,
                         text=choice.text,
                         num_tokens=len(choice.token_ids),
                         logprobs=(
-                            _token_logprobs(choice.token_ids, choice.logprobs)
+                            _token_logprobs(choice.token_ids, choice.logprobs, self.special_ids)
                             if want_logprobs and choice.logprobs is not None
                             else None
                         ),
@@ -235,6 +247,23 @@ class Engine:
             completion_tokens=completion_tokens,
         )
         yield [protocol.Delta(request_id=request_id, index=0, usage=usage)]
+
+    def _prompt_logprobs(
+        self, token_ids: Sequence[int], logprobs: Sequence[Any]
+    ) -> list[protocol.TokenLogprob]:
+        """The prompt's tokens as ``echo`` with ``logprobs`` reports them, like vLLM.
+
+        The engine scores every prompt token but the first (``None``); that one
+        is decoded by the tokenizer and marked unscored.
+        """
+        scored = _token_logprobs(token_ids, logprobs, self.special_ids)
+        if token_ids and len(logprobs) and not logprobs[0]:  # None, or empty when flat
+            decode = self.llm.renderer.get_tokenizer().decode
+            first = token_ids[0]
+            scored[0] = protocol.TokenLogprob(
+                token=decode(first), logprob=0.0, token_id=first, scored=False
+            )
+        return scored
 
     def load(self) -> tuple[int, int, float]:
         """(running, waiting, KV-cache usage) of the engine, now.
@@ -261,22 +290,33 @@ _MIN_LOGPROB = -9999.0
 
 
 def _token_logprobs(
-    token_ids: Iterable[int], logprobs: Iterable[Any]
+    token_ids: Iterable[int], logprobs: Iterable[Any], special_ids: frozenset[int]
 ) -> list[protocol.TokenLogprob]:
     out = []
     for token_id, step in zip(token_ids, logprobs, strict=False):
+        step = step or {}
         chosen = step.get(token_id)
+        ranked = sorted(step.items(), key=lambda kv: kv[1].rank or 0)
         out.append(
             protocol.TokenLogprob(
                 token=_token_text(chosen, token_id),
                 logprob=max(chosen.logprob, _MIN_LOGPROB) if chosen else _MIN_LOGPROB,
-                top=[
-                    (_token_text(lp, tid), max(lp.logprob, _MIN_LOGPROB))
-                    for tid, lp in sorted(step.items(), key=lambda kv: kv[1].rank or 0)
-                ],
+                top=[(_token_text(lp, tid), max(lp.logprob, _MIN_LOGPROB)) for tid, lp in ranked],
+                token_id=token_id,
+                special=token_id in special_ids,
+                top_ids=[tid for tid, _ in ranked],
+                rank=(chosen.rank or 0) if chosen else 0,
+                top_ranks=[lp.rank or 0 for _, lp in ranked],
             )
         )
     return out
+
+
+def _system_fingerprint(vllm_config: Any) -> str:
+    """What ``vllm serve`` puts in ``system_fingerprint`` for this engine."""
+    from vllm.entrypoints.serve.utils.fingerprint import get_system_fingerprint
+
+    return get_system_fingerprint(vllm_config) or ""
 
 
 def _token_text(logprob: Any, token_id: int) -> str:

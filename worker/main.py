@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     namespace = parser.parse_args(argv)
     worker_settings = settings.from_namespace(settings.WorkerSettings, namespace)
     setup_logging(getattr(namespace, "log_level", None) or "info")
+    _check_keys(worker_settings)
     apply_embedded_model_defaults(namespace)
 
     from worker.engine import Engine, Limits
@@ -81,6 +82,16 @@ def main(argv: list[str] | None = None) -> None:
         pass
     log.info("worker stopped")
     sys.exit(0)
+
+
+def _check_keys(worker_settings: settings.WorkerSettings) -> None:
+    """Refuse a bad CURVE setting now, not after the engine's start."""
+    from shared.keys import KeyFileError, worker_curve
+
+    try:
+        worker_curve(worker_settings)
+    except KeyFileError as exc:
+        sys.exit(f"llmgate worker: {exc}")
 
 
 if __name__ == "__main__":

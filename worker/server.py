@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
+from zmq.utils.monitor import parse_monitor_message
 
-from shared import protocol
+from shared import keys, protocol
 from shared.settings import WorkerSettings
 from worker.engine import Engine
 from worker.sampling import RequestError
@@ -53,13 +55,8 @@ class WorkerServer:
         self.worker_id = settings.worker_id or f"{socket.gethostname()}:{os.getpid()}"
         self.incarnation = uuid.uuid4().hex
         self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
-        self.sock.setsockopt(zmq.SNDHWM, 100_000)
-        self.sock.setsockopt(zmq.RCVHWM, 100_000)
-        # A gateway that vanished must not block us: drop what cannot be routed.
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.curve = keys.worker_curve(settings)
+        self.sock = make_router(self.ctx, self.curve)
         self.encoder = protocol.encoder()
         self.decoder = protocol.worker_decoder()
         self.requests: dict[str, _Running] = {}
@@ -71,11 +68,16 @@ class WorkerServer:
     # -- lifecycle ---------------------------------------------------------
 
     async def serve(self) -> None:
+        # The authenticator runs before bind: a CURVE socket with no ZAP handler
+        # lets every client in.
+        authenticator = start_authenticator(self.ctx, self.curve) if self.curve else None
+        monitor = self.sock.get_monitor_socket(keys.HANDSHAKE_FAILED)
         self.sock.bind(self.settings.bind)
         log.info(
-            "worker %s bound %s, serving %s",
+            "worker %s bound %s (%s), serving %s",
             self.worker_id,
             self.settings.bind,
+            "CURVE" if self.curve else "plaintext",
             self.engine.served_model_names,
         )
         if self.settings.metrics_port:
@@ -86,6 +88,7 @@ class WorkerServer:
         tasks = [
             asyncio.create_task(self._receive_loop(), name="receive"),
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(log_handshake_failures(monitor), name="handshake monitor"),
         ]
         try:
             await self._stop.wait()
@@ -96,6 +99,10 @@ class WorkerServer:
                 running.task.cancel()
             # Let the cancelled requests send their abort to the engine.
             await asyncio.sleep(0)
+            if authenticator is not None:
+                authenticator.stop()
+            self.sock.disable_monitor()
+            monitor.close(0)
             self.sock.close(0)
             self.ctx.term()
 
@@ -253,6 +260,7 @@ class WorkerServer:
             capacity=self.engine.max_num_seqs,
             max_model_len=self.engine.max_model_len,
             draining=self.draining,
+            system_fingerprint=self.engine.system_fingerprint,
         )
 
     async def _heartbeat_loop(self) -> None:
@@ -277,6 +285,94 @@ class WorkerServer:
         for request_id in orphans:
             self._cancel(request_id)
         del self.gateways[identity]
+
+
+def make_router(ctx: zmq.asyncio.Context, curve: keys.CurveServer | None) -> zmq.asyncio.Socket:
+    """The worker's ROUTER, not bound yet: limits on, and CURVE when it has keys."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    # Bounds each frame. A peer can still send a message of many frames, which
+    # libzmq holds whole before we see any of it: only CURVE keeps such a peer
+    # out on an untrusted network.
+    sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.SNDHWM, 100_000)
+    sock.setsockopt(zmq.RCVHWM, 100_000)
+    # A gateway that vanished must not block us: drop what cannot be routed.
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+    if curve is not None:
+        curve.apply(sock)
+    return sock
+
+
+class GatewayAuthenticator(AsyncioAuthenticator):
+    """ZAP handler that lets in the gateways whose public keys are in a directory.
+
+    The directory is read on every handshake (handshakes are rare: one per
+    gateway connection), so adding or removing a key file takes effect without
+    a restart. Its ZAP socket is inproc, written by libzmq only.
+    """
+
+    def __init__(self, ctx: zmq.asyncio.Context, curve: keys.CurveServer) -> None:
+        super().__init__(ctx)
+        self._curve = curve
+        self._peer = ""
+        self._warned: dict[bytes, float] = {}
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        # Frame 3 of a ZAP request is the client's IP address, for the log.
+        self._peer = msg[3].decode(errors="replace") if len(msg) > 3 else "?"
+        await super().handle_zap_message(msg)
+
+    def callback(self, _domain: str, client_key: bytes) -> bool:
+        """True if ``client_key`` (Z85) is an authorized gateway's public key."""
+        try:
+            allowed = client_key in self._curve.authorized_keys()
+        except (OSError, ValueError) as exc:
+            log.error("cannot read --curve-gateway-keys-dir, refusing everyone: %s", exc)
+            return False
+        if not allowed and _first_in_a_minute(self._warned, client_key):
+            log.warning(
+                "ZAP denied a client from %s with unknown CURVE key %s (not in %s)",
+                self._peer,
+                client_key.decode(errors="replace"),
+                self._curve.authorized_dir,
+            )
+        return allowed
+
+
+def start_authenticator(ctx: zmq.asyncio.Context, curve: keys.CurveServer) -> GatewayAuthenticator:
+    """Start ZAP for ``ctx``; call inside the running loop, before a CURVE socket binds."""
+    authenticator = GatewayAuthenticator(ctx, curve)
+    authenticator.start()
+    authenticator.configure_curve_callback(credentials_provider=authenticator)
+    return authenticator
+
+
+async def log_handshake_failures(monitor: zmq.asyncio.Socket) -> None:
+    """Log that clients fail the handshake (CURVE on one side only, say), once a minute.
+
+    Which side notices a mismatch first varies, and so does the event; a
+    refused key is logged by the authenticator, with the key.
+    """
+    warned: dict[bytes, float] = {}
+    while True:
+        event = parse_monitor_message(await monitor.recv_multipart())
+        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            continue
+        if _first_in_a_minute(warned, b"handshake"):
+            reason = keys.handshake_failure(event["event"], event["value"])
+            log.warning("a client failed the handshake: %s", reason)
+
+
+def _first_in_a_minute(last: dict[bytes, float], what: bytes) -> bool:
+    """True at most once a minute per ``what``: a rejected peer retries every few seconds."""
+    now = time.monotonic()
+    if now - last.get(what, float("-inf")) < 60.0:
+        return False
+    if len(last) > 1024:  # many distinct keys: forget, rather than grow
+        last.clear()
+    last[what] = now
+    return True
 
 
 def start_metrics_server(port: int) -> None:

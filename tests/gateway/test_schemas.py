@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from gateway import errors, schemas
+from shared.settings import GatewaySettings
 
 
 def completion(**fields: Any) -> dict[str, Any]:
@@ -38,7 +39,6 @@ def test_bad_prompts_are_refused(prompt: Any) -> None:
         ("top_p", 0),
         ("top_p", 1.5),
         ("n", 0),
-        ("n", 1000),
         ("presence_penalty", 3),
         ("frequency_penalty", -3),
         ("stop", 5),
@@ -52,6 +52,31 @@ def test_bad_fields_name_themselves(field: str, value: Any) -> None:
         schemas.validate(completion(**{field: value}), schemas.CompletionRequest)
     assert info.value.param == field
     assert info.value.status == 400
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "says"),
+    [
+        ({"n": 9}, "n", "n is 9, more than this server's --max-n of 8."),
+        ({"stop": ["a", "b", "c"]}, "stop", "stop has 3 sequences"),
+    ],
+)
+def test_limits_name_the_limit_and_the_value(fields: Any, param: str, says: str) -> None:
+    settings = GatewaySettings(max_n=8, max_stop_sequences=2)
+    body = schemas.validate(completion(**fields), schemas.CompletionRequest)
+    with pytest.raises(errors.BadRequest) as info:
+        schemas.check_limits(body, settings)
+    assert info.value.param == param
+    assert says in info.value.message
+
+
+def test_requests_within_the_limits_pass() -> None:
+    settings = GatewaySettings(max_n=8, max_stop_sequences=2)
+    body = schemas.validate(completion(n=8, stop=["a", "b"]), schemas.CompletionRequest)
+    schemas.check_limits(body, settings)
+    schemas.check_limits(
+        schemas.validate(completion(stop="a"), schemas.CompletionRequest), settings
+    )
 
 
 def test_unknown_fields_are_ignored() -> None:

@@ -28,17 +28,35 @@ def test_completion_body_joins_deltas_per_choice() -> None:
         (0, "Hello", "stop"),
         (1, "Goodbye", "length"),
     ]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "total_tokens": 7,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
 
 
-def test_chat_chunks_name_the_role_once_per_choice() -> None:
-    builder = sse.Chat("abc", "m", 1, logprobs=False, top_logprobs=0)
-    first = decode_event(builder.chunk(Delta("abc", 0, "Hi")))
-    second = decode_event(builder.chunk(Delta("abc", 0, "!", finish_reason="stop")))
-    assert first["object"] == "chat.completion.chunk"
-    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "Hi"}
-    assert second["choices"][0]["delta"] == {"content": "!"}
-    assert second["choices"][0]["finish_reason"] == "stop"
+def decode_events(data: bytes) -> list[dict]:
+    return [decode_event(part + b"\n\n") for part in data.split(b"\n\n") if part]
+
+
+def test_chat_streams_open_with_one_role_chunk_per_choice_as_vllm_does() -> None:
+    builder = sse.Chat("abc", "m", 2, logprobs=False, top_logprobs=0)
+    builder.system_fingerprint = "fp"
+    roles_and_first = decode_events(builder.chunk(Delta("abc", 0, "Hi")))
+    last = decode_events(builder.chunk(Delta("abc", 0, "!", finish_reason="stop")))
+    assert [e["choices"][0]["delta"] for e in roles_and_first] == [
+        {"role": "assistant", "content": ""},
+        {"role": "assistant", "content": ""},
+        {"content": "Hi"},
+    ]
+    assert [e["choices"][0]["index"] for e in roles_and_first] == [0, 1, 0]
+    assert all(e["object"] == "chat.completion.chunk" for e in roles_and_first)
+    assert "stop_reason" not in roles_and_first[2]["choices"][0]  # only on the last chunk
+    assert len(last) == 1 and last[0]["choices"][0]["delta"] == {"content": "!"}
+    assert last[0]["choices"][0]["finish_reason"] == "stop"
+    assert last[0]["system_fingerprint"] == "fp"  # on a choice's last chunk, without usage
 
 
 def test_usage_chunk_has_no_choices() -> None:

@@ -123,6 +123,39 @@ def test_echo_returns_the_prompt_then_the_completion(client: openai.OpenAI) -> N
     assert "".join(c.choices[0].text for c in chunks if c.choices) == echoed.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt_tokens_too(
+    client: openai.OpenAI, served: Served
+) -> None:
+    from transformers import AutoTokenizer
+
+    prompt = "The capital of France is"
+    prompt_tokens = len(AutoTokenizer.from_pretrained(served.model_dir).encode(prompt))
+    echoed = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1
+    )
+    logprobs = echoed.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens and logprobs.token_logprobs
+    assert len(logprobs.tokens) == prompt_tokens + 3
+    assert "".join(logprobs.tokens) == echoed.choices[0].text
+    # The first prompt token has nothing before it to be scored by: null, as OpenAI says.
+    assert logprobs.token_logprobs[0] is None
+    assert logprobs.top_logprobs is not None and logprobs.top_logprobs[0] is None
+    assert all(lp is not None and lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert logprobs.text_offset == [
+        sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))
+    ]
+    chunks = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1, stream=True
+    )
+    streamed = [
+        t
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.tokens or []
+    ]
+    assert streamed == logprobs.tokens
+
+
 def test_echo_of_token_ids_decodes_them(client: openai.OpenAI, served: Served) -> None:
     from transformers import AutoTokenizer
 
@@ -163,6 +196,25 @@ def test_prompt_plus_max_tokens_over_max_total_tokens_is_400(client: openai.Open
     assert info.value.body["param"] == "max_tokens"  # type: ignore[index]
 
 
+def test_n_over_max_n_is_400_naming_the_limit(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=129, max_tokens=1
+        )
+    assert "n is 129" in info.value.message
+    assert "--max-n of 128" in info.value.message
+    assert info.value.body["param"] == "n"  # type: ignore[index]
+
+
+def test_too_many_stop_sequences_is_400_naming_the_limit(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=MODEL, prompt="Hi", stop=[str(i) for i in range(17)], max_tokens=1
+        )
+    assert "stop has 17 sequences" in info.value.message
+    assert "--max-stop-sequences of 16" in info.value.message
+
+
 def test_a_declared_oversized_body_is_413_before_it_is_sent(served: Served) -> None:
     host, port = served.base_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
@@ -190,3 +242,15 @@ def test_a_streamed_oversized_body_is_413(served: Served) -> None:
     )
     assert response.status_code == 413
     assert response.json()["error"]["message"].startswith("The request body is larger")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"prompt": [-(2**63) - 1]}, {"prompt": [2**40]}, {"seed": 2**70}, {"unknown": 10**30}],
+)
+def test_integers_out_of_range_are_400_not_500(served: Served, extra: dict[str, object]) -> None:
+    # Found by the fuzz test: msgpack stops at 64 bits and JSON does not.
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, **extra}
+    response = httpx.post(f"{served.base_url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"

@@ -1,0 +1,106 @@
+{{/* Names, labels and the bits the gateway and worker templates share. */}}
+
+{{- define "llmgate.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "llmgate.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "llmgate.gatewayName" -}}
+{{- printf "%s-gateway" (include "llmgate.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "llmgate.workerName" -}}
+{{- printf "%s-worker" (include "llmgate.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The headless Service: its DNS name lists every worker pod. */}}
+{{- define "llmgate.workersServiceName" -}}
+{{- printf "%s-workers" (include "llmgate.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* What the gateway's --workers names: one DNS name, one worker per pod IP. */}}
+{{- define "llmgate.workersAddress" -}}
+{{- printf "tcp://%s.%s.svc.%s:%d" (include "llmgate.workersServiceName" .) .Release.Namespace .Values.clusterDomain (int .Values.worker.port) }}
+{{- end }}
+
+{{- define "llmgate.secretName" -}}
+{{- default (printf "%s-secrets" (include "llmgate.fullname" .)) .Values.secrets.existingSecret }}
+{{- end }}
+
+{{- define "llmgate.hasApiKeys" -}}
+{{- if .Values.secrets.existingSecret }}
+{{- if .Values.secrets.existingSecretProvides.apiKeys }}true{{ end }}
+{{- else if .Values.secrets.apiKeys }}true{{ end }}
+{{- end }}
+
+{{- define "llmgate.hasCurve" -}}
+{{- $c := .Values.secrets.curve }}
+{{- if .Values.secrets.existingSecret }}
+{{- if .Values.secrets.existingSecretProvides.curve }}true{{ end }}
+{{- else if and $c.gatewayKey $c.gatewayKeySecret $c.workerKey $c.workerKeySecret }}true{{ end }}
+{{- end }}
+
+{{/*
+Where the Secret's files are mounted, and the settings that point at them.
+These LLMGATE_* names are GatewaySettings/WorkerSettings fields
+(shared/settings.py; shared/keys.py says who holds which key): keep them in step.
+*/}}
+{{- define "llmgate.secretsDir" -}}/etc/llmgate/secrets{{- end }}
+{{/* Workers accept the gateways whose public keys (*.key) are in this directory. */}}
+{{- define "llmgate.gatewayKeysDir" -}}/etc/llmgate/gateway-keys{{- end }}
+
+{{- define "llmgate.gatewaySecretEnv" -}}
+{{- $dir := include "llmgate.secretsDir" . }}
+{{- if include "llmgate.hasApiKeys" . }}
+LLMGATE_API_KEYS_FILE: {{ printf "%s/api-keys" $dir | quote }}
+{{- end }}
+{{- if include "llmgate.hasCurve" . }}
+LLMGATE_CURVE_GATEWAY_KEY_FILE: {{ printf "%s/gateway.key_secret" $dir | quote }}
+LLMGATE_CURVE_WORKER_PUBLIC_KEY_FILE: {{ printf "%s/worker.key" $dir | quote }}
+{{- end }}
+{{- end }}
+
+{{- define "llmgate.workerSecretEnv" -}}
+{{- if include "llmgate.hasCurve" . }}
+LLMGATE_CURVE_WORKER_KEY_FILE: {{ printf "%s/worker.key_secret" (include "llmgate.secretsDir" .) | quote }}
+LLMGATE_CURVE_GATEWAY_KEYS_DIR: {{ include "llmgate.gatewayKeysDir" . | quote }}
+{{- end }}
+{{- end }}
+
+{{- define "llmgate.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "llmgate.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* Selector labels; call with (dict "root" $ "component" "gateway"). */}}
+{{- define "llmgate.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "llmgate.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "llmgate.image" -}}
+{{- printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag) }}
+{{- end }}
+
+{{/* LLMGATE_<NAME> entries of a settings map (keys may use - or _). */}}
+{{- define "llmgate.settingsEnv" -}}
+{{- range $key, $value := . }}
+{{ printf "LLMGATE_%s" (upper (replace "-" "_" $key)) }}: {{ $value | toString | quote }}
+{{- end }}
+{{- end }}

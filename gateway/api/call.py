@@ -1,0 +1,318 @@
+"""One API request from admission to its last byte, whatever API it came in by.
+
+:class:`Call` admits a request, hands it to a worker (``pool``, which applies
+the routing policy), and turns the worker's deltas into a response through
+a builder (``sse`` for OpenAI's shapes, ``tgi`` for TGI's).
+
+A streaming response starts only once the worker has produced its first
+delta, so errors the engine finds up front (a prompt longer than the
+context, a bad parameter) still get a proper status code, and a request
+whose worker is lost before any output is retried on another worker
+(``--max-retries``) whether it streams or not. Once output has gone out, a
+lost worker ends the stream with an error event.
+
+A client that goes away aborts its request on the worker: streaming
+responses see it as cancellation, non-streaming ones watch for the ASGI
+``http.disconnect`` message while they wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from gateway import errors, metrics, schemas, sse
+from gateway.pool import Pool, RequestHandle, WorkerLost, WorkerState
+from shared import protocol
+
+log = logging.getLogger(__name__)
+
+JSON = "application/json"
+
+# Put in a request's queue by its deadline timer (one per attempt: cheaper
+# than a timeout scope around every delta).
+_EXPIRED = WorkerLost("deadline passed")
+TIMEOUT_HEADER = "x-request-timeout"
+SESSION_HEADER = "x-session-id"
+WORKER_HEADER = "x-llmgate-worker"
+
+
+def pool_of(request: Request) -> Pool:
+    pool: Pool = request.app.state.pool
+    return pool
+
+
+async def read_body(request: Request) -> bytes:
+    """The body, refused with 413 as soon as it is known to be over ``--max-body-bytes``."""
+    limit = pool_of(request).settings.max_body_bytes
+    too_large = errors.PayloadTooLarge(
+        f"The request body is larger than this server's --max-body-bytes of {limit} bytes."
+    )
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large  # without reading a byte of it
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _deadline(request: Request, default_timeout: float) -> float:
+    """Unix time the request must finish by (0: none), from the header or the setting."""
+    header = request.headers.get(TIMEOUT_HEADER)
+    timeout = default_timeout
+    if header is not None:
+        try:
+            timeout = float(header)
+        except ValueError:
+            raise errors.BadRequest(
+                f"{TIMEOUT_HEADER} must be a number of seconds, not {header!r}."
+            ) from None
+        if not timeout > 0:
+            raise errors.BadRequest(f"{TIMEOUT_HEADER} must be positive.")
+        if default_timeout:
+            timeout = min(timeout, default_timeout)
+    return time.time() + timeout if timeout else 0.0
+
+
+@dataclass
+class Call:
+    """One API request from admission to its last byte, retries included."""
+
+    request: Request
+    kind: protocol.RequestKind
+    route: str
+    raw: dict[str, Any]
+    body: schemas._Sampling
+    builder: sse.ResponseBuilder
+
+    def __post_init__(self) -> None:
+        self.pool = pool_of(self.request)
+        self.started = time.monotonic()
+        self.deadline = _deadline(self.request, self.pool.settings.request_timeout)
+        self.tried: set[WorkerState] = set()
+        self.builder.include_usage = self.body.include_usage
+        self.status = 200
+
+    async def serve(self, key_of: Callable[[int], str]) -> Response:
+        settings = self.pool.settings
+        key = None
+        if self.pool.policy.uses_key:
+            session = self.request.headers.get(SESSION_HEADER) or self.body.user
+            key = session if session else key_of(settings.prefix_chars)
+        try:
+            if self.body.stream:
+                return await self._start_stream(key)
+            return await self._complete(key)
+        except errors.GatewayError as exc:
+            self._finish(exc.status)
+            raise
+
+    # -- attempts ------------------------------------------------------------
+
+    async def _submit(self, key: str | None) -> RequestHandle:
+        handle = await self.pool.submit(
+            self.kind, self.body.model, self.raw, self.deadline, key, exclude=self.tried
+        )
+        self.builder.id = self.builder.id_prefix + handle.request_id
+        self.builder.system_fingerprint = handle.worker.system_fingerprint
+        if self.deadline:
+            timer = asyncio.get_running_loop().call_later(
+                self.deadline - time.time(), handle.queue.put_nowait, _EXPIRED
+            )
+            handle.on_close = timer.cancel
+        return handle
+
+    def _retry_or_raise(self, handle: RequestHandle, item: WorkerLost | protocol.Failed) -> None:
+        """Record a failed attempt; raise if it cannot be retried."""
+        retryable = isinstance(item, WorkerLost) or item.status == 503
+        if not retryable:
+            assert isinstance(item, protocol.Failed)
+            raise errors.from_status(item.status, item.message, item.param)
+        self.tried.add(handle.worker)
+        reason = "worker_lost" if isinstance(item, WorkerLost) else "worker_draining"
+        if len(self.tried) > self.pool.settings.max_retries:
+            message = item.reason if isinstance(item, WorkerLost) else item.message
+            raise errors.UpstreamFailed(
+                f"The request failed on {len(self.tried)} workers; last: {message}."
+            )
+        metrics.RETRIES.labels(reason).inc()
+        log.info("retrying request %s elsewhere (%s)", handle.request_id, reason)
+
+    async def _next(self, handle: RequestHandle) -> protocol.Delta | protocol.Failed | WorkerLost:
+        return _unless_expired(await handle.next())
+
+    # -- non-streaming -------------------------------------------------------
+
+    async def _complete(self, key: str | None) -> Response:
+        while True:
+            handle = await self._submit(key)
+            try:
+                outcome = await _until_disconnect(self.request, self._collect(handle))
+            finally:
+                handle.close()
+            if outcome is None:
+                self._finish(499)  # nginx's "client closed request"
+                return Response(status_code=499)
+            if isinstance(outcome, Response):
+                return outcome
+            self._retry_or_raise(handle, outcome)
+            self.builder.reset()
+
+    async def _collect(self, handle: RequestHandle) -> Response | protocol.Failed | WorkerLost:
+        while True:
+            item = await self._next(handle)
+            if not isinstance(item, protocol.Delta):
+                return item
+            if item.usage is not None:
+                self._finish(200, item.usage)
+                return Response(
+                    self.builder.body(item.usage),
+                    media_type=JSON,
+                    headers={WORKER_HEADER: handle.worker.key},
+                )
+            self.builder.add(item)
+
+    # -- streaming -----------------------------------------------------------
+
+    async def _start_stream(self, key: str | None) -> Response:
+        while True:
+            handle = await self._submit(key)
+            first: protocol.Delta | protocol.Failed | WorkerLost | None = None
+            try:
+                first = await self._next(handle)
+                if isinstance(first, protocol.Delta):
+                    break
+                self._retry_or_raise(handle, first)
+            finally:
+                if not isinstance(first, protocol.Delta):
+                    handle.close()
+        return StreamingResponse(
+            self._stream(handle, first),
+            media_type="text/event-stream",
+            headers={
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+                WORKER_HEADER: handle.worker.key,
+            },
+        )
+
+    async def _stream(self, handle: RequestHandle, first: protocol.Delta) -> AsyncIterator[bytes]:
+        # Runs inside the response: a client that goes away cancels it here, and
+        # the finally clause aborts the request on the worker.
+        include_usage = self.body.include_usage
+        item: protocol.Delta | protocol.Failed | WorkerLost = first
+        last_chunk = 0.0
+        status = 200
+        usage = None
+        model = self.body.model
+        itl = metrics.ITL.labels(model)
+        queue = handle.queue
+        try:
+            while True:
+                if isinstance(item, protocol.Failed):
+                    status = item.status
+                    yield self.builder.error_event(
+                        errors.from_status(item.status, item.message, item.param)
+                    )
+                    break
+                if isinstance(item, WorkerLost):
+                    status = 502
+                    yield self.builder.error_event(
+                        errors.UpstreamFailed(f"The stream was cut: {item.reason}.")
+                    )
+                    break
+                if item.usage is not None:
+                    usage = item.usage
+                    if include_usage:
+                        yield self.builder.usage_chunk(item.usage)
+                    break
+                now = time.monotonic()
+                if last_chunk:
+                    itl.observe(now - last_chunk)
+                else:
+                    metrics.TTFT.labels(model, self.route).observe(now - self.started)
+                last_chunk = now
+                # Deltas that queued up meanwhile go out in the same write: one
+                # transport write per batch, not per token, under load.
+                chunks = [self.builder.chunk(item)]
+                waiting: protocol.Delta | protocol.Failed | WorkerLost | None = None
+                while not queue.empty():
+                    waiting = queue.get_nowait()
+                    if not isinstance(waiting, protocol.Delta) or waiting.usage is not None:
+                        break
+                    chunks.append(self.builder.chunk(waiting))
+                    waiting = None
+                yield chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                try:
+                    if waiting is None:
+                        item = await self._next(handle)
+                    else:
+                        item = _unless_expired(waiting)
+                except errors.GatewayError as exc:
+                    status = exc.status
+                    yield self.builder.error_event(exc)
+                    break
+            if self.builder.done:
+                yield self.builder.done
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        finally:
+            handle.close()
+            self._finish(status, usage)
+
+    # -- accounting ------------------------------------------------------------
+
+    def _finish(self, status: int, usage: protocol.Usage | None = None) -> None:
+        model, route = self.body.model, self.route
+        metrics.REQUESTS.labels(model, route, str(status)).inc()
+        metrics.E2E_LATENCY.labels(model, route).observe(time.monotonic() - self.started)
+        if usage is not None:
+            metrics.PROMPT_TOKENS.labels(model).inc(usage.prompt_tokens)
+            metrics.GENERATION_TOKENS.labels(model).inc(usage.completion_tokens)
+
+
+def _unless_expired(
+    item: protocol.Delta | protocol.Failed | WorkerLost,
+) -> protocol.Delta | protocol.Failed | WorkerLost:
+    if item is _EXPIRED:
+        raise errors.Timeout("The request timed out.")
+    return item
+
+
+async def _until_disconnect(request: Request, work: Any) -> Any:
+    """Run ``work`` unless the client disconnects first (then None)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            # cancel() only asks; wait for the work to unwind (its finally
+            # blocks abort the request) so its result is never read unset.
+            task.cancel()
+            await asyncio.wait({task})
+    if task.cancelled():
+        return None
+    return task.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body has been read, so the next ASGI message is the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,53 @@
+"""TGI's generate routes: ``POST /generate``, ``/generate_stream`` and ``/``.
+
+``/`` is TGI's compatibility route, the one its Python client posts to: it
+streams when the body says ``"stream": true`` and otherwise answers a
+one-element list. The mapping itself lives in :mod:`gateway.tgi`.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from gateway import errors, schemas, tgi
+from gateway.api.call import Call, pool_of, read_body
+
+router = APIRouter()
+
+
+@router.post("/generate", tags=["TGI"])
+async def generate(request: Request) -> Response:
+    return await _serve(request, "/generate", stream=False)
+
+
+@router.post("/generate_stream", tags=["TGI"])
+async def generate_stream(request: Request) -> Response:
+    return await _serve(request, "/generate_stream", stream=True)
+
+
+@router.post("/", tags=["TGI"])
+async def compat_generate(request: Request) -> Response:
+    return await _serve(request, "/", stream=None)
+
+
+async def _serve(request: Request, route: str, stream: bool | None) -> Response:
+    raw = schemas.decode_body(await read_body(request))
+    body = schemas.validate(raw, tgi.GenerateRequest)
+    tgi.check_supported(body.parameters)
+    pool = pool_of(request)
+    model = body.model
+    if model is None:
+        await pool.wait_for_worker()
+        models = pool.models()
+        if not models:
+            raise errors.NoWorker("No worker is serving a model.")
+        model = models[0]
+    as_list = stream is None and not body.stream
+    streaming = body.stream if stream is None else stream
+    completion = tgi.to_completion(body, model, streaming)
+    checked = schemas.validate(completion, schemas.CompletionRequest)
+    schemas.check_limits(checked, pool.settings)
+    builder = tgi.TgiBuilder(model, body, completion.get("seed"), as_list=as_list)
+    call = Call(request, "completion", route, completion, checked, builder)
+    return await call.serve(lambda limit: body.inputs[:limit])

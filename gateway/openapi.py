@@ -1,0 +1,106 @@
+"""The OpenAPI document: FastAPI's, plus the request bodies the routes parse themselves.
+
+The API routes read their bodies with msgspec (``gateway.schemas``,
+``gateway.tgi``) rather than through FastAPI's pydantic parameters, so FastAPI
+cannot see them. This module writes those same structs into the document as
+JSON Schema components, so ``/openapi.json`` describes exactly what the
+gateway accepts, and adds the error responses every API route can give.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from gateway import schemas, tgi
+
+REF = "#/components/schemas/{name}"
+
+# (path, request body) for every route that parses its own JSON body.
+BODIES: list[tuple[str, type[msgspec.Struct]]] = [
+    ("/v1/completions", schemas.CompletionRequest),
+    ("/v1/chat/completions", schemas.ChatCompletionRequest),
+    ("/generate", tgi.GenerateRequest),
+    ("/generate_stream", tgi.GenerateRequest),
+    ("/", tgi.GenerateRequest),
+]
+
+STREAMING = {"/generate_stream", "/"}
+STREAMING_OPENAI = {"/v1/completions", "/v1/chat/completions"}
+
+
+class OpenAIErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class OpenAIError(msgspec.Struct):
+    """OpenAI's error body, on the /v1 routes."""
+
+    error: OpenAIErrorDetail
+
+
+class TgiError(msgspec.Struct):
+    """TGI's error body, on its generate routes."""
+
+    error: str
+    error_type: str
+
+
+_ERRORS = {
+    "400": "The body is not valid: the message names the field (422 on TGI routes).",
+    "401": "No or a wrong API key.",
+    "404": "Unknown model.",
+    "413": "The body is larger than --max-body-bytes.",
+    "429": "The queue is full or the wait timed out; see Retry-After.",
+    "502": "The worker was lost and the request could not be retried.",
+    "503": "No healthy worker serves the model.",
+    "504": "The request ran past its deadline.",
+}
+
+
+def install(app: FastAPI) -> None:
+    """Make ``app.openapi()`` return the completed document (built once)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = build(app)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def build(app: FastAPI) -> dict[str, Any]:
+    document = get_openapi(
+        title=app.title, version=app.version, summary=app.summary, routes=app.routes
+    )
+    types = [body for _, body in BODIES] + [OpenAIError, TgiError]
+    refs, components = msgspec.json.schema_components(types, ref_template=REF)
+    document.setdefault("components", {}).setdefault("schemas", {}).update(components)
+    ref_of = dict(zip(types, refs, strict=True))
+    for path, body in BODIES:
+        operation = document["paths"][path]["post"]
+        operation["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": ref_of[body]}},
+        }
+        error_ref = ref_of[TgiError if path in tgi.PATHS else OpenAIError]
+        responses = operation.setdefault("responses", {})
+        responses.pop("422", None)  # FastAPI's own validation error: never raised here
+        ok = responses.setdefault("200", {"description": "Successful Response"})
+        ok["content"] = {"application/json": {"schema": {"type": "object"}}}
+        if path in STREAMING or path in STREAMING_OPENAI:
+            ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+        for status, description in _ERRORS.items():
+            if path in tgi.PATHS and status == "400":
+                status = "422"
+            responses[status] = {
+                "description": description,
+                "content": {"application/json": {"schema": error_ref}},
+            }
+    return document

@@ -1,0 +1,1 @@
+"""Baselines ``make bench`` compares llmgate against, written as their authors would."""

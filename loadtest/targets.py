@@ -1,0 +1,190 @@
+"""The servers ``make bench`` compares, and how each is started on this machine.
+
+Every target serves the embedded SmolLM2-135M-Instruct from the same
+converted directory, in float32, with the same engine flags. Cores are split
+as ``llmgate serve`` splits them (``worker.launcher.cpu_slices``): one engine
+alone binds its compute threads as vLLM does by default; two engines each get
+their own slice, with no core held back for a front end.
+
+* ``llmgate-1`` / ``llmgate-2``: ``llmgate serve`` with one / two workers.
+* ``vllm-direct``: ``python -m vllm.entrypoints.openai.api_server``.
+* ``vllm-router-2``: two such servers, pinned like ``llmgate-2``'s workers,
+  behind ``vllm-router`` (Rust), which lives in its own virtualenv
+  (``.venv-router``, made on first use) so its dependencies cannot touch ours.
+* ``fastapi-batching``: the seeds' baseline, ``loadtest.baselines.fastapi_batching``.
+* ``vllm-inprocess``: vLLM's ``AsyncLLM`` driven in-process (``loadtest.inprocess``);
+  not a server, so it is run by the bench, not here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from loadtest.procs import await_ready, free_port, free_port_range, launched
+from worker.embedded_model import SERVED_MODEL_NAME, default_model_dir
+from worker.launcher import cpu_slices
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = SERVED_MODEL_NAME
+TARGETS = (
+    "llmgate-1",
+    "llmgate-2",
+    "vllm-direct",
+    "vllm-router-2",
+    "fastapi-batching",
+    "vllm-inprocess",
+)
+ROUTER_VENV = ROOT / ".venv-router"
+ROUTER_PACKAGE = "vllm-router==0.1.17"
+# Shared with other tools that create the same virtualenv, so two never race.
+ROUTER_LOCK = Path("/tmp/router-venv.lock")
+# Load-aware like llmgate's default least-load policy: with two workers,
+# power-of-two compares both. (Its default, cache_aware, sends one repeated
+# prompt to one worker until the imbalance passes its thresholds.)
+ROUTER_POLICY = "power_of_two"
+KV_CACHE_GIB = "1"  # what an llmgate worker gets by default
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The engine settings every target shares."""
+
+    enforce_eager: bool
+    startup_timeout: float
+
+    @property
+    def flags(self) -> list[str]:
+        return ["--enforce-eager"] if self.enforce_eager else []
+
+
+def parse_targets(text: str) -> list[str]:
+    """``--targets`` (comma-separated, or ``all``) in the bench's fixed order."""
+    wanted = {t.strip() for t in text.split(",") if t.strip()}
+    if "all" in wanted:
+        return list(TARGETS)
+    unknown = sorted(wanted - set(TARGETS))
+    if unknown:
+        raise ValueError(f"unknown targets {unknown}; choose from {', '.join(TARGETS)} or all")
+    if not wanted:
+        raise ValueError("no targets given")
+    return [t for t in TARGETS if t in wanted]
+
+
+def engine_env(cpu_slice: str | None = None) -> dict[str, str]:
+    """The environment of a vLLM engine: small KV cache; pinned when given a core slice."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
+    if cpu_slice is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_slice
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    return env
+
+
+def core_slices(count: int) -> list[str]:
+    return cpu_slices(count, sorted(os.sched_getaffinity(0)))
+
+
+def vllm_server_argv(port: int, engine: Engine) -> list[str]:
+    flags = (
+        f"--model {default_model_dir()} --served-model-name {MODEL} --dtype float32"
+        f" --host 127.0.0.1 --port {port}"
+    )
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        *flags.split(),
+        *engine.flags,
+    ]
+
+
+def llmgate_argv(port: int, worker_base_port: int, workers: int, engine: Engine) -> list[str]:
+    # The embedded model, float32 and a 1 GiB KV cache are llmgate's defaults.
+    flags = f"--port {port} --worker-base-port {worker_base_port} --num-workers {workers}"
+    return [sys.executable, "-m", "worker.launcher", *flags.split(), *engine.flags]
+
+
+def router_argv(port: int, worker_urls: list[str]) -> list[str]:
+    return [
+        str(ROUTER_VENV / "bin" / "vllm-router"),
+        *("--host", "127.0.0.1", "--port", str(port)),
+        *("--worker-urls", *worker_urls),
+        *("--policy", ROUTER_POLICY),
+        *("--log-level", "warning"),
+    ]
+
+
+def ensure_router() -> Path:
+    """``.venv-router`` with ``vllm-router`` installed; created on first use."""
+    binary = ROUTER_VENV / "bin" / "vllm-router"
+    with ROUTER_LOCK.open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not binary.exists():
+            print(f"installing {ROUTER_PACKAGE} into {ROUTER_VENV.name}", flush=True)
+            subprocess.run([sys.executable, "-m", "venv", str(ROUTER_VENV)], check=True)
+            pip = [str(ROUTER_VENV / "bin" / "pip"), "install", "-q", ROUTER_PACKAGE]
+            subprocess.run(pip, check=True)
+    return binary
+
+
+@contextlib.contextmanager
+def serving(target: str, engine: Engine, run_dir: Path) -> Iterator[str]:
+    """Start ``target``; yield its base URL once it can serve; stop all of it afterwards."""
+    with contextlib.ExitStack() as stack:
+        if target in ("llmgate-1", "llmgate-2"):
+            workers = int(target[-1])
+            port, log = free_port(), run_dir / f"{target}.log"
+            argv = llmgate_argv(port, free_port_range(workers), workers, engine)
+            proc = stack.enter_context(launched(target, argv, log, cwd=ROOT))
+
+            def healthy(response: httpx.Response) -> bool:
+                return response.status_code == 200 and (
+                    response.json()["healthy_workers"] >= workers
+                )
+
+            url = f"http://127.0.0.1:{port}"
+            await_ready(target, proc, log, url + "/ready", engine.startup_timeout, healthy)
+        elif target == "vllm-direct":
+            port, log = free_port(), run_dir / f"{target}.log"
+            argv = vllm_server_argv(port, engine)
+            proc = stack.enter_context(launched(target, argv, log, engine_env(), ROOT))
+            url = f"http://127.0.0.1:{port}"
+            await_ready(target, proc, log, url + "/v1/models", engine.startup_timeout)
+        elif target == "vllm-router-2":
+            ensure_router()
+            servers = []
+            for i, cpu_slice in enumerate(core_slices(2)):
+                name, port = f"{target}/vllm-{i}", free_port()
+                log = run_dir / f"{target}-vllm-{i}.log"
+                argv = vllm_server_argv(port, engine)
+                proc = stack.enter_context(launched(name, argv, log, engine_env(cpu_slice), ROOT))
+                servers.append((name, proc, log, f"http://127.0.0.1:{port}"))
+            for name, proc, log, server_url in servers:
+                await_ready(name, proc, log, server_url + "/v1/models", engine.startup_timeout)
+            port, log = free_port(), run_dir / f"{target}-router.log"
+            argv = router_argv(port, [s[3] for s in servers])
+            proc = stack.enter_context(launched(target, argv, log, cwd=ROOT))
+            url = f"http://127.0.0.1:{port}"
+            await_ready(target, proc, log, url + "/v1/models", 60.0)
+        elif target == "fastapi-batching":
+            port, log = free_port(), run_dir / f"{target}.log"
+            argv = [
+                *(sys.executable, "-m", "loadtest.baselines.fastapi_batching"),
+                *("--model-dir", str(default_model_dir()), "--port", str(port)),
+            ]
+            proc = stack.enter_context(launched(target, argv, log, cwd=ROOT))
+            url = f"http://127.0.0.1:{port}"
+            await_ready(target, proc, log, url + "/health", engine.startup_timeout)
+        else:
+            raise ValueError(f"{target} is not a server")
+        yield url
+        print(f"[{target}] stopping", flush=True)

@@ -1,0 +1,293 @@
+"""deploy/compose: the compose file parses as the Compose spec and has one worker per GPU.
+
+There is no docker engine here, so ``docker compose config`` is replaced by
+what it does: YAML with anchors and merge keys, ``${VAR:-default}``
+interpolation, then the Compose specification, checked by ``compose-spec``
+(the Rust ``compose_spec`` crate's strict parser, plus its pydantic models of
+the spec's JSON schema). On top of that, what makes this file work: one
+worker per GPU device id, every worker reachable through the one name the
+gateway resolves, settings that the code knows, files that exist.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+from compose_spec import PyCompose
+
+from gateway import metrics as gateway_metrics
+from shared.settings import GatewaySettings, WorkerSettings
+from tests.deploy.helpers import DEPLOY, env_names, load_module
+
+COMPOSE_DIR = DEPLOY / "compose"
+COMPOSE_FILE = COMPOSE_DIR / "compose.yaml"
+generate = load_module(COMPOSE_DIR / "generate.py")
+
+_VARIABLE = re.compile(
+    r"\$\$|\$\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?-)(?P<default>[^}]*))?\}"
+    r"|\$(?P<bare>[A-Za-z_][A-Za-z0-9_]*)"
+)
+
+
+def interpolate(value: Any, env: dict[str, str]) -> Any:
+    """Compose's ``$VAR``, ``${VAR}``, ``${VAR:-default}``, ``${VAR-default}``, ``$$``."""
+    if isinstance(value, dict):
+        return {key: interpolate(item, env) for key, item in value.items()}
+    if isinstance(value, list):
+        return [interpolate(item, env) for item in value]
+    if not isinstance(value, str):
+        return value
+
+    def substitute(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name = match.group("braced") or match.group("bare")
+        op, default = match.group("op"), match.group("default") or ""
+        if op == ":-" and not env.get(name):
+            return default
+        if op == "-" and name not in env:
+            return default
+        return env.get(name, "")
+
+    return _VARIABLE.sub(substitute, value)
+
+
+def load(text: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The compose model as ``docker compose config`` would see it; raises if invalid."""
+    model = interpolate(yaml.safe_load(text), env or {})
+    compose = PyCompose.from_json(json.dumps(model))
+    compose.validate()
+    compose.to_spec()
+    assert isinstance(model, dict)
+    return model
+
+
+def workers(model: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {name: s for name, s in model["services"].items() if name.startswith("worker-")}
+
+
+def gpu_devices(service: dict[str, Any]) -> list[dict[str, Any]]:
+    reservations = service.get("deploy", {}).get("resources", {}).get("reservations", {})
+    return list(reservations.get("devices", []))
+
+
+@pytest.fixture(scope="module")
+def committed() -> dict[str, Any]:
+    return load(COMPOSE_FILE.read_text())
+
+
+def test_the_committed_file_is_the_generators_output() -> None:
+    first_line = COMPOSE_FILE.read_text().splitlines()[0]
+    gpus = int(re.search(r"--gpus (\d+)", first_line).group(1))  # type: ignore[union-attr]
+    assert COMPOSE_FILE.read_text() == generate.render(gpus), (
+        f"regenerate: python deploy/compose/generate.py --gpus {gpus} > {COMPOSE_FILE}"
+    )
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 8])
+def test_one_worker_per_gpu_each_with_its_own_device_id(gpus: int) -> None:
+    model = load(generate.render(gpus))
+    gpu_workers = {n: s for n, s in workers(model).items() if "gpu" in s.get("profiles", [])}
+    assert sorted(gpu_workers) == sorted(f"worker-gpu{i}" for i in range(gpus))
+    for index in range(gpus):
+        (device,) = gpu_devices(gpu_workers[f"worker-gpu{index}"])
+        assert device["driver"] == "nvidia"
+        assert device["device_ids"] == [str(index)]
+        assert device["capabilities"] == ["gpu"]
+        assert "count" not in device  # count and device_ids are exclusive
+
+
+def test_the_committed_file_validates_and_reserves_each_gpu_once(
+    committed: dict[str, Any],
+) -> None:
+    ids = [
+        d for s in workers(committed).values() for dev in gpu_devices(s) for d in dev["device_ids"]
+    ]
+    assert len(ids) == len(set(ids)) == 8
+
+
+def test_invalid_compose_is_rejected() -> None:
+    """The validator bites: an unknown key and a malformed port fail."""
+    text = COMPOSE_FILE.read_text()
+    with pytest.raises(ValueError):
+        load(text.replace("    stop_grace_period: 40s\n", "    stop_grace_perod: 40s\n", 1))
+    with pytest.raises(ValueError):
+        load(text, {"GATEWAY_PORT": "eighty"})
+
+
+def test_the_cpu_profile_reserves_no_gpu(committed: dict[str, Any]) -> None:
+    """`--profile cpu` starts the services with no profile and the cpu ones: no GPU there."""
+    started = {
+        name: s
+        for name, s in committed["services"].items()
+        if not s.get("profiles") or "cpu" in s["profiles"]
+    }
+    assert {"gateway", "worker-cpu"} <= started.keys()
+    assert not any(gpu_devices(s) for s in started.values())
+    assert committed["services"]["gateway"].get("profiles") is None
+    for name, profile in [
+        ("prometheus", "monitoring"),
+        ("grafana", "monitoring"),
+        ("redis", "redis"),
+    ]:
+        assert committed["services"][name]["profiles"] == [profile]
+
+
+def test_the_gateway_finds_every_worker_through_one_name(committed: dict[str, Any]) -> None:
+    """Each worker carries the alias that the gateway's LLMGATE_WORKERS resolves."""
+    gateway = committed["services"]["gateway"]
+    target = urlsplit(gateway["environment"]["LLMGATE_WORKERS"])
+    assert target.scheme == "tcp"
+    (gateway_network,) = gateway["networks"]
+    for name, service in workers(committed).items():
+        aliases = service["networks"][gateway_network]["aliases"]
+        assert target.hostname in aliases, name
+        bind = urlsplit(service["environment"]["LLMGATE_BIND"])
+        assert bind.hostname == "0.0.0.0", name
+        assert bind.port == target.port, name
+
+
+def test_llmgate_variables_are_settings_the_code_has(
+    committed: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gateway_env = committed["services"]["gateway"]["environment"]
+    assert {k for k in gateway_env if k.startswith("LLMGATE_")} <= env_names(GatewaySettings)
+    for key, value in gateway_env.items():
+        monkeypatch.setenv(key, str(value))
+    from shared import settings
+
+    settings.from_environment(GatewaySettings)  # every value parses
+    for name, service in workers(committed).items():
+        names = {k for k in service["environment"] if k.startswith("LLMGATE_")}
+        assert names <= env_names(WorkerSettings), name
+
+
+def test_stop_grace_periods_cover_the_drain(committed: dict[str, Any]) -> None:
+    def seconds(text: str) -> int:
+        assert text.endswith("s")
+        return int(text[:-1])
+
+    for name, service in committed["services"].items():
+        drain = service.get("environment", {}).get("LLMGATE_DRAIN_TIMEOUT")
+        if drain is not None:
+            assert seconds(service["stop_grace_period"]) > float(drain), name
+
+
+def test_files_volumes_and_builds_exist(committed: dict[str, Any]) -> None:
+    named = set(committed.get("volumes", {}))
+    for name, service in committed["services"].items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":", 1)[0]
+            if source.startswith("."):
+                assert (COMPOSE_DIR / source).exists(), f"{name}: {source}"
+            else:
+                assert source in named, f"{name}: volume {source}"
+        if "build" in service:
+            context = COMPOSE_DIR / service["build"]["context"]
+            assert (context / service["build"]["dockerfile"]).is_file(), name
+        for dependency in service.get("depends_on", []):
+            assert dependency in committed["services"], name
+
+
+def test_worker_args_reach_every_worker() -> None:
+    model = load(COMPOSE_FILE.read_text(), {"WORKER_ARGS": "--model /models/x --enforce-eager"})
+    for name, service in workers(model).items():
+        assert service["command"] == "--model /models/x --enforce-eager", name
+
+
+def test_prometheus_scrapes_the_gateway_and_every_worker(committed: dict[str, Any]) -> None:
+    config = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    gateway_port = committed["services"]["gateway"]["environment"]["LLMGATE_PORT"]
+    assert jobs["llmgate-gateway"]["static_configs"][0]["targets"] == [f"gateway:{gateway_port}"]
+    (discovery,) = jobs["llmgate-workers"]["dns_sd_configs"]
+    for name, service in workers(committed).items():
+        (network,) = service["networks"]
+        assert discovery["names"][0] in service["networks"][network]["aliases"], name
+        assert str(discovery["port"]) == service["environment"]["LLMGATE_METRICS_PORT"], name
+
+
+def _dashboard_metrics() -> set[str]:
+    dashboard = json.loads((DEPLOY / "helm/llmgate/dashboards/llmgate.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert exprs
+    found = set()
+    for expr in exprs:
+        found |= set(re.findall(r"\b((?:llmgate_|vllm:)[a-z_:]+)", expr))
+    return found
+
+
+def test_the_dashboard_charts_metrics_that_exist() -> None:
+    """Every llmgate_* series is the gateway's; every vllm:* one is in vLLM's source."""
+    import importlib.util
+
+    ours = set()
+    for collector in vars(gateway_metrics).values():
+        name = getattr(collector, "_name", None)
+        if isinstance(name, str) and name.startswith("llmgate_"):
+            ours.add(name)
+    vllm_spec = importlib.util.find_spec("vllm")
+    assert vllm_spec and vllm_spec.origin
+    vllm_source = "".join(
+        p.read_text() for p in (Path(vllm_spec.origin).parent / "v1/metrics").glob("*.py")
+    )
+    suffix = re.compile(r"_(total|bucket|sum|count)$")
+    used = _dashboard_metrics()
+    assert any(m.startswith("llmgate_") for m in used) and any(m.startswith("vllm:") for m in used)
+    for metric in used:
+        base = suffix.sub("", metric)
+        if metric.startswith("llmgate_"):
+            assert base in ours, metric
+        else:
+            assert f'"{base}"' in vllm_source, metric
+
+
+DOCKER_COMPOSE = shutil.which("docker-compose")
+
+
+@pytest.mark.skipif(
+    DOCKER_COMPOSE is None, reason="no docker-compose (Debian: apt-get install docker-compose)"
+)
+def test_docker_compose_config_reads_it_the_same_way(tmp_path: Path) -> None:
+    """Docker's own Compose (v1, Python; `config` needs no engine) agrees with `load`.
+
+    v1 predates the top-level `name` (v2 reads it): that line is left out for it.
+    """
+    env = {"WORKER_ARGS": "--model /m --enforce-eager", "GATEWAY_PORT": "9000"}
+    v1_file = tmp_path / "compose.yaml"
+    v1_file.write_text(re.sub(r"(?m)^name: .*\n", "", COMPOSE_FILE.read_text()))
+    result = subprocess.run(
+        [
+            DOCKER_COMPOSE or "",
+            "-f",
+            str(v1_file),
+            "--project-directory",
+            str(COMPOSE_DIR),
+            "config",
+        ],
+        env={"PATH": os.environ.get("PATH", "")} | env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    theirs = yaml.safe_load(result.stdout)["services"]
+    ours = load(COMPOSE_FILE.read_text(), env)["services"]
+    assert theirs.keys() == ours.keys()
+    for name, service in ours.items():
+        assert theirs[name].get("profiles") == service.get("profiles"), name
+        assert theirs[name].get("command") == service.get("command"), name
+        assert {k: str(v) for k, v in theirs[name].get("environment", {}).items()} == {
+            k: str(v) for k, v in service.get("environment", {}).items()
+        }, name
+        assert gpu_devices(theirs[name]) == gpu_devices(service), name
+    assert theirs["gateway"]["ports"] == [{"published": 9000, "target": 8000}]

@@ -1,0 +1,328 @@
+"""deploy/helm/llmgate: the chart renders to valid Kubernetes objects that fit together.
+
+Rendering is Helm's own (``helm-python-sdk`` binds Helm v4's Go SDK, so the
+templates run through the real template engine, Sprig functions, the
+values schema and ``helm lint``). Each rendered object is validated against
+the Kubernetes OpenAPI schemas of the oldest and newest versions the chart
+supports (``kubernetes-validate``, strict: unknown fields fail). Then the
+wiring: the gateway's ``--workers`` names the headless Service, which selects
+the worker pods on the port they bind; probes, drain times and settings names
+agree with the code.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import helm_python as helm
+import kubernetes_validate
+import msgspec
+import pytest
+import yaml
+
+from shared.settings import GatewaySettings, WorkerSettings
+from tests.deploy.helpers import DEPLOY, env_names
+
+CHART = DEPLOY / "helm" / "llmgate"
+RELEASE, NAMESPACE = "demo", "llm"
+K8S_VERSIONS = ["1.25.0", "1.37.0"]
+
+SECRETS = {
+    "apiKeys": ["sk-one", "sk-two"],
+    "curve": {
+        "gatewayKey": "gw-public",
+        "gatewayKeySecret": "gw-secret",
+        "workerKey": "wk-public",
+        "workerKeySecret": "wk-secret",
+    },
+}
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "eight-gpus-everything-on": {
+        "worker": {
+            "replicas": 8,
+            "args": ["--model", "meta-llama/Llama-3.1-8B-Instruct"],
+            "modelCache": {"enabled": True, "size": "200Gi"},
+            "settings": {"max_total_tokens": 8192},
+        },
+        "gateway": {
+            "autoscaling": {"targetInFlightPerPod": 64},
+            "settings": {"policy": "prefix", "max-queue": 2048},
+        },
+        "secrets": SECRETS,
+        "metrics": {"serviceMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": True}},
+    },
+    "cpu-workers-fixed-gateways": {
+        "worker": {"image": {"repository": "llmgate/worker-cpu"}, "gpu": {"enabled": False}},
+        "gateway": {"autoscaling": {"enabled": False}, "replicas": 3},
+    },
+    "existing-secret": {"secrets": {"existingSecret": "my-keys"}},
+}
+
+
+def render(values: dict[str, Any]) -> list[dict[str, Any]]:
+    with helm.Chart.load(str(CHART)) as chart:
+        manifests = chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    objects = []
+    for path, text in manifests.items():
+        if path.endswith(".yaml"):
+            objects += [doc for doc in yaml.safe_load_all(text) if doc]
+    return objects
+
+
+@pytest.fixture(scope="module", params=list(VALUE_SETS))
+def rendered(request: pytest.FixtureRequest) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    values = VALUE_SETS[request.param]
+    return values, render(values)
+
+
+def one(objects: list[dict[str, Any]], kind: str, component: str | None = None) -> dict[str, Any]:
+    found = [o for o in of_kind(objects, kind, component)]
+    assert len(found) == 1, f"{len(found)} {kind}/{component}"
+    return found[0]
+
+
+def of_kind(
+    objects: list[dict[str, Any]], kind: str, component: str | None = None
+) -> Iterator[dict[str, Any]]:
+    for o in objects:
+        labels = o["metadata"].get("labels", {})
+        if o["kind"] == kind and component in (None, labels.get("app.kubernetes.io/component")):
+            yield o
+
+
+def container(workload: dict[str, Any]) -> dict[str, Any]:
+    (c,) = workload["spec"]["template"]["spec"]["containers"]
+    assert isinstance(c, dict)
+    return c
+
+
+def environment(objects: list[dict[str, Any]], workload: dict[str, Any]) -> dict[str, str]:
+    """The container's variables: its ConfigMap (envFrom), then its own env values."""
+    by_name = {o["metadata"]["name"]: o for o in of_kind(objects, "ConfigMap")}
+    env: dict[str, str] = {}
+    c = container(workload)
+    for source in c.get("envFrom", []):
+        env.update(by_name[source["configMapRef"]["name"]]["data"])
+    env.update({e["name"]: e.get("value", "<from field>") for e in c.get("env", [])})
+    return env
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_every_object_is_valid_kubernetes(rendered: tuple[Any, list[dict[str, Any]]]) -> None:
+    _, objects = rendered
+    assert objects
+    for obj in objects:
+        if obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # a CRD: checked in test_service_monitors_select_the_services
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_the_validator_rejects_an_unknown_field() -> None:
+    deployment = one(render({}), "Deployment", "gateway")
+    container(deployment)["livenessProbes"] = container(deployment).pop("livenessProbe")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSIONS[-1], strict=True)
+
+
+def test_the_gateway_finds_workers_through_the_headless_service(
+    rendered: tuple[Any, list[dict[str, Any]]],
+) -> None:
+    _, objects = rendered
+    gateway = one(objects, "Deployment", "gateway")
+    workers = one(objects, "StatefulSet", "worker")
+    address = urlsplit(environment(objects, gateway)["LLMGATE_WORKERS"])
+    service_name, namespace, svc, *_ = (address.hostname or "").split(".")
+    assert (namespace, svc) == (NAMESPACE, "svc")
+    (headless,) = [s for s in of_kind(objects, "Service") if s["metadata"]["name"] == service_name]
+    assert headless["spec"]["clusterIP"] == "None"
+    assert workers["spec"]["serviceName"] == service_name
+    pod_labels = workers["spec"]["template"]["metadata"]["labels"]
+    assert selects(headless["spec"]["selector"], pod_labels)
+    assert not selects(
+        headless["spec"]["selector"], gateway["spec"]["template"]["metadata"]["labels"]
+    )
+    # The address's port is the service's, the container's and the one the worker binds.
+    ports = {p["name"]: p for p in container(workers)["ports"]}
+    (zmq_port,) = [p for p in headless["spec"]["ports"] if p["port"] == address.port]
+    assert zmq_port["targetPort"] == "zmq" and ports["zmq"]["containerPort"] == address.port
+    bind = urlsplit(environment(objects, workers)["LLMGATE_BIND"])
+    assert (bind.hostname, bind.port) == ("0.0.0.0", address.port)
+
+
+def test_each_worker_pod_gets_its_gpus(rendered: tuple[dict[str, Any], Any]) -> None:
+    values, objects = rendered
+    workers = one(objects, "StatefulSet", "worker")
+    resources = container(workers)["resources"]
+    worker_values = values.get("worker", {})
+    assert workers["spec"]["replicas"] == worker_values.get("replicas", 2)
+    if worker_values.get("gpu", {}).get("enabled", True):
+        assert resources["limits"]["nvidia.com/gpu"] == 1
+        assert resources["requests"]["nvidia.com/gpu"] == 1
+    else:
+        assert "nvidia.com/gpu" not in resources.get("limits", {})
+
+
+def test_probes_and_grace_periods_match_the_drain(
+    rendered: tuple[Any, list[dict[str, Any]]],
+) -> None:
+    _, objects = rendered
+    gateway = one(objects, "Deployment", "gateway")
+    c = container(gateway)
+    env = environment(objects, gateway)
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": int(env["LLMGATE_PORT"])}
+    pre_stop = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
+    grace = gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace >= pre_stop + float(env["LLMGATE_DRAIN_TIMEOUT"]) + 5
+
+    workers = one(objects, "StatefulSet", "worker")
+    c = container(workers)
+    env = environment(objects, workers)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports["metrics"] == int(env["LLMGATE_METRICS_PORT"]) > 0
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+    grace = workers["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > float(env["LLMGATE_DRAIN_TIMEOUT"])
+
+
+def test_settings_are_ones_the_code_has(rendered: tuple[Any, list[dict[str, Any]]]) -> None:
+    _, objects = rendered
+    components: list[tuple[str, type[msgspec.Struct]]] = [
+        ("gateway", GatewaySettings),
+        ("worker", WorkerSettings),
+    ]
+    for component, cls in components:
+        data = one(objects, "ConfigMap", component)["data"]
+        unknown = set(data) - env_names(cls)
+        assert not unknown, f"{component}: no such settings {sorted(unknown)}"
+
+
+def test_secret_files_are_mounted_where_the_settings_point(
+    rendered: tuple[Any, list[dict[str, Any]]],
+) -> None:
+    """Each *_FILE setting names a mounted Secret file, each *_DIR one a mounted directory."""
+    _, objects = rendered
+    secrets = {s["metadata"]["name"]: s for s in of_kind(objects, "Secret")}
+    for kind, component in [("Deployment", "gateway"), ("StatefulSet", "worker")]:
+        workload = one(objects, kind, component)
+        env = environment(objects, workload)
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"].get("volumes", [])}
+        files: set[str] = set()
+        dirs: set[str] = set()
+        for mount in container(workload).get("volumeMounts", []):
+            secret = volumes.get(mount["name"], {}).get("secret")
+            if secret is None:
+                continue
+            if secret["secretName"] in secrets:  # created by the chart: the keys must exist
+                assert {i["key"] for i in secret["items"]} <= set(
+                    secrets[secret["secretName"]]["stringData"]
+                )
+            dirs.add(mount["mountPath"])
+            files |= {f"{mount['mountPath']}/{i['path']}" for i in secret["items"]}
+        for name, path in env.items():
+            if name.endswith("_FILE"):
+                assert path in files, f"{component}: {name}={path} is not mounted"
+            if name.endswith("_DIR"):
+                assert path in dirs, f"{component}: {name}={path} is not mounted"
+
+
+def test_curve_keys_go_to_the_side_that_needs_them() -> None:
+    """Workers get their key pair and the gateway's public key alone; gateways the reverse."""
+    objects = render(VALUE_SETS["eight-gpus-everything-on"])
+    gateway_env = environment(objects, one(objects, "Deployment", "gateway"))
+    worker = one(objects, "StatefulSet", "worker")
+    worker_env = environment(objects, worker)
+    assert gateway_env["LLMGATE_CURVE_GATEWAY_KEY_FILE"].endswith("/gateway.key_secret")
+    assert gateway_env["LLMGATE_CURVE_WORKER_PUBLIC_KEY_FILE"].endswith("/worker.key")
+    assert worker_env["LLMGATE_CURVE_WORKER_KEY_FILE"].endswith("/worker.key_secret")
+    keys_dir = worker_env["LLMGATE_CURVE_GATEWAY_KEYS_DIR"]
+    mounts = {m["mountPath"]: m["name"] for m in container(worker)["volumeMounts"]}
+    volumes = {v["name"]: v for v in worker["spec"]["template"]["spec"]["volumes"]}
+    items = volumes[mounts[keys_dir]]["secret"]["items"]
+    assert items == [{"key": "gateway.key", "path": "gateway.key"}]
+    assert "LLMGATE_CURVE_WORKER_KEY_FILE" not in environment(
+        render({}), one(render({}), "StatefulSet", "worker")
+    )
+
+
+def test_api_keys_reach_the_gateway_one_per_line() -> None:
+    objects = render(VALUE_SETS["eight-gpus-everything-on"])
+    secret = one(objects, "Secret")
+    assert secret["stringData"]["api-keys"].split() == SECRETS["apiKeys"]
+    assert "LLMGATE_API_KEYS_FILE" in environment(objects, one(objects, "Deployment", "gateway"))
+
+
+def test_autoscaler_and_disruption_budget_target_the_gateway() -> None:
+    objects = render(VALUE_SETS["eight-gpus-everything-on"])
+    gateway = one(objects, "Deployment", "gateway")
+    hpa = one(objects, "HorizontalPodAutoscaler", "gateway")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == gateway["metadata"]["name"]
+    kinds = {m["type"]: m for m in hpa["spec"]["metrics"]}
+    assert kinds["Resource"]["resource"]["name"] == "cpu"
+    assert kinds["Pods"]["pods"]["metric"]["name"] == "llmgate_requests_in_flight"
+    assert "replicas" not in gateway["spec"]  # the HPA owns it
+    pdb = one(objects, "PodDisruptionBudget", "gateway")
+    labels = gateway["spec"]["template"]["metadata"]["labels"]
+    assert selects(pdb["spec"]["selector"]["matchLabels"], labels)
+
+    fixed = render(VALUE_SETS["cpu-workers-fixed-gateways"])
+    assert not list(of_kind(fixed, "HorizontalPodAutoscaler"))
+    assert one(fixed, "Deployment", "gateway")["spec"]["replicas"] == 3
+
+
+def test_service_monitors_select_the_services() -> None:
+    objects = render(VALUE_SETS["eight-gpus-everything-on"])
+    monitors = list(of_kind(objects, "ServiceMonitor"))
+    assert {m["metadata"]["labels"]["app.kubernetes.io/component"] for m in monitors} == {
+        "gateway",
+        "worker",
+    }
+    for monitor in monitors:
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        matched = [
+            s
+            for s in of_kind(objects, "Service")
+            if selects(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
+        ]
+        assert len(matched) == 1, monitor["metadata"]["name"]
+        port_names = {p["name"] for p in matched[0]["spec"]["ports"]}
+        for endpoint in monitor["spec"]["endpoints"]:
+            assert set(endpoint) <= {"port", "path", "interval"}
+            assert endpoint["port"] in port_names and endpoint["path"] == "/metrics"
+
+
+def test_the_dashboard_configmap_is_the_dashboard_file() -> None:
+    objects = render(VALUE_SETS["eight-gpus-everything-on"])
+    (dashboard,) = [c for c in of_kind(objects, "ConfigMap") if "llmgate.json" in c["data"]]
+    shipped = json.loads((CHART / "dashboards" / "llmgate.json").read_text())
+    assert json.loads(dashboard["data"]["llmgate.json"]) == shipped
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"worker": {"replicas": "two"}},
+        {"gateway": {"prot": 8000}},
+        {"worker": {"port": 0}},
+        {"gateway": {"autoscaling": {"targetCPUUtilizationPercentage": 150}}},
+    ],
+)
+def test_the_values_schema_rejects_bad_values(values: dict[str, Any]) -> None:
+    with helm.Chart.load(str(CHART)) as chart, pytest.raises(helm.HelmError):
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+
+
+def test_helm_lint_finds_no_error() -> None:
+    result = helm.lint(str(CHART))
+    assert result["errors"] == []
+    assert not [m for m in result["messages"] if m["severity"] > 1], result["messages"]

@@ -1,0 +1,213 @@
+"""API keys: loading them, and the middleware's answer to each kind of header."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.api.auth import ApiKeyMiddleware, load_api_keys
+from shared.settings import GatewaySettings
+
+KEYS = ["k1", "sk-second-key"]
+
+
+async def _ok_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """The app behind the middleware: 200 "ok" on any path."""
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+def _client(protect_metrics: bool = False) -> httpx.AsyncClient:
+    app = ApiKeyMiddleware(_ok_app, KEYS, protect_metrics=protect_metrics)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
+
+
+async def _get(path: str, headers: dict[str, str], protect_metrics: bool = False) -> httpx.Response:
+    async with _client(protect_metrics) as client:
+        return await client.get(path, headers=headers)
+
+
+# -- loading keys -------------------------------------------------------------
+
+
+def test_keys_come_from_the_flag_and_the_file(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("# team a\nfile-key-1\n\n  file-key-2  # rotated in May\n")
+    loaded = load_api_keys(GatewaySettings(api_keys=" a, b ,,", api_keys_file=str(keys_file)))
+    assert loaded == ["a", "b", "file-key-1", "file-key-2"]
+
+
+def test_no_keys_means_no_authentication() -> None:
+    assert load_api_keys(GatewaySettings()) == []
+
+
+def test_a_keys_file_without_keys_is_an_error_not_an_open_gateway(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("# nothing yet\n\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        load_api_keys(GatewaySettings(api_keys_file=str(keys_file)))
+
+
+def test_a_missing_keys_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="cannot read"):
+        load_api_keys(GatewaySettings(api_keys_file=str(tmp_path / "absent")))
+
+
+def test_a_bad_key_is_refused_without_quoting_it() -> None:
+    with pytest.raises(ValueError) as raised:
+        load_api_keys(GatewaySettings(api_keys="good,secret\tvalue"))
+    assert "secret" not in str(raised.value)
+
+
+# -- the middleware -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", KEYS)
+async def test_every_configured_key_is_let_in(key: str) -> None:
+    response = await _get("/v1/models", {"Authorization": f"Bearer {key}"})
+    assert response.status_code == 200 and response.text == "ok"
+
+
+async def test_the_scheme_is_case_insensitive_and_spaces_are_trimmed() -> None:
+    response = await _get("/v1/models", {"Authorization": "  bearer   k1  "})
+    assert response.status_code == 200
+
+
+async def test_a_missing_key_is_401_in_openai_shape() -> None:
+    response = await _get("/v1/chat/completions", {})
+    assert response.status_code == 401
+    assert response.headers["www-authenticate"] == "Bearer"
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["code"] == "invalid_api_key"
+    assert error["param"] is None
+    assert "didn't provide an API key" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "authorization",
+    [
+        "Bearer wrong",
+        "Bearer k1x",  # a configured key's prefix or extension is not the key
+        "Bearer k",
+        "Bearer",
+        "Bearer ",
+        "Basic azE6",
+        "k1",
+        "Bearer k1,sk-second-key",
+    ],
+)
+async def test_a_wrong_key_is_401_and_not_echoed(authorization: str) -> None:
+    response = await _get("/v1/completions", {"Authorization": authorization})
+    assert response.status_code == 401
+    error = response.json()["error"]
+    assert error["code"] == "invalid_api_key"
+    token = authorization.partition(" ")[2].strip()
+    if len(token) > 3:  # shorter ones occur in the message's own words
+        assert token not in response.text
+
+
+async def test_unknown_paths_need_a_key_too() -> None:
+    assert (await _get("/no/such/route", {})).status_code == 401
+
+
+@pytest.mark.parametrize("path", ["/health", "/ready", "/metrics"])
+async def test_probes_and_metrics_are_open(path: str) -> None:
+    assert (await _get(path, {})).status_code == 200
+
+
+async def test_protect_metrics_closes_metrics_but_not_the_probes() -> None:
+    assert (await _get("/metrics", {}, protect_metrics=True)).status_code == 401
+    assert (await _get("/metrics", {"Authorization": "Bearer k1"}, True)).status_code == 200
+    assert (await _get("/health", {}, protect_metrics=True)).status_code == 200
+    assert (await _get("/ready", {}, protect_metrics=True)).status_code == 200
+
+
+async def test_a_rejected_request_body_is_never_read() -> None:
+    """Auth runs before the app: an unauthenticated client cannot make us read its body."""
+    reads = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal reads
+        reads += 1
+        return {"type": "http.request", "body": b"x" * 1024, "more_body": True}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "path": "/v1/completions", "headers": [], "method": "POST"}
+    await ApiKeyMiddleware(_ok_app, KEYS)(scope, receive, send)
+    assert reads == 0
+    assert sent[0]["status"] == 401
+
+
+async def test_lifespan_events_pass_through() -> None:
+    seen: list[str] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        seen.append(scope["type"])
+
+    await ApiKeyMiddleware(app, KEYS)({"type": "lifespan"}, None, None)  # type: ignore[arg-type]
+    assert seen == ["lifespan"]
+
+
+def test_the_middleware_needs_a_key() -> None:
+    with pytest.raises(ValueError):
+        ApiKeyMiddleware(_ok_app, [])
+
+
+_SPACES = st.text(alphabet=" ", min_size=0, max_size=3).map(str.encode)
+_VALID = st.builds(
+    lambda lead, scheme, gap, key, tail: lead + scheme + b" " + gap + key + tail,
+    _SPACES,
+    st.sampled_from([b"Bearer", b"bearer", b"BEARER", b"bEaReR"]),
+    _SPACES,
+    st.sampled_from([key.encode() for key in KEYS]),
+    _SPACES,
+)
+# Near misses: a valid header with one byte changed, dropped or added.
+_MUTATED = st.tuples(_VALID, st.integers(0, 40), st.binary(min_size=0, max_size=1)).map(
+    lambda t: t[0][: t[1]] + t[2] + t[0][t[1] + 1 :]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    values=st.lists(st.one_of(st.binary(max_size=200), _VALID, _MUTATED), max_size=3),
+    name=st.sampled_from([b"authorization", b"x-api-key"]),
+)
+def test_any_raw_header_gets_200_or_401_and_only_a_real_key_gets_in(
+    values: list[bytes], name: bytes
+) -> None:
+    """Raw ASGI headers, below what an HTTP client would send: never an exception."""
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b""}
+
+    headers = [(name, value) for value in values]
+    scope = {"type": "http", "path": "/v1/models", "headers": headers}
+    asyncio.run(ApiKeyMiddleware(_ok_app, KEYS)(scope, receive, send))
+    status = sent[0]["status"]
+    first = values[0] if values and name == b"authorization" else None
+    if first is None:
+        assert status == 401
+        return
+    scheme, _, token = first.strip().partition(b" ")
+    real_key = scheme.lower() == b"bearer" and token.strip() in {k.encode() for k in KEYS}
+    assert status == (200 if real_key else 401)
+    if status == 401:
+        assert json.loads(sent[1]["body"])["error"]["code"] == "invalid_api_key"

@@ -1,0 +1,119 @@
+"""Fuzzing every body route from the gateway's own OpenAPI document, against the real worker.
+
+Bodies come from ``/openapi.json`` as the running gateway serves it
+(hypothesis-jsonschema draws valid ones from each route's schema), plus
+arbitrary JSON and valid bodies with one field replaced by junk. Outputs
+are kept short so a few hundred requests take a minute or two. Whatever a
+client sends, the answer must not be a 5xx, and afterwards the worker must
+be the same process, still healthy.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis_jsonschema import from_schema
+
+from tests.conftest import MODEL, Served
+
+ROUTES = ["/v1/completions", "/v1/chat/completions", "/generate", "/generate_stream", "/"]
+EXAMPLES_PER_ROUTE = 40
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+def worker_pids(served: Served) -> set[int]:
+    children = psutil.Process(served.proc.pid).children(recursive=True)
+    return {p.pid for p in children if "worker.main" in " ".join(p.cmdline())}
+
+
+@pytest.fixture(scope="module")
+def document(base_url: str) -> dict[str, Any]:
+    response = httpx.get(f"{base_url}/openapi.json", timeout=10)
+    assert response.status_code == 200
+    document: dict[str, Any] = response.json()
+    return document
+
+
+def cheap(route: str, body: Any) -> Any:
+    """A valid body made quick to run: our model, few choices, few tokens."""
+    if not isinstance(body, dict):
+        return body
+    if route.startswith("/v1/"):
+        body["model"] = MODEL
+        body["max_tokens"] = min(body.get("max_tokens") or 4, 4)
+        body.pop("max_completion_tokens", None)
+        if isinstance(body.get("n"), int):
+            body["n"] = min(body["n"], 2)
+        if isinstance(body.get("best_of"), int):
+            body["best_of"] = min(body["best_of"], 2)
+    else:
+        body.pop("model", None)
+        parameters = body.setdefault("parameters", {})
+        parameters["max_new_tokens"] = min(parameters.get("max_new_tokens") or 4, 4)
+    return body
+
+
+def bodies(document: dict[str, Any], route: str) -> st.SearchStrategy[Any]:
+    content = document["paths"][route]["post"]["requestBody"]["content"]
+    schema = {**content["application/json"]["schema"], "components": document["components"]}
+    valid = from_schema(schema).map(lambda body: cheap(route, body))
+    junk_field = st.tuples(valid, st.text(max_size=20), json_values).map(
+        lambda t: {**t[0], t[1]: t[2]} if isinstance(t[0], dict) else t[0]
+    )
+    return st.one_of(valid, valid, junk_field, json_values)
+
+
+def send(base_url: str, route: str, body: Any) -> int:
+    """Post ``body``; read a stream to its end. The status code."""
+    with httpx.stream(
+        "POST",
+        f"{base_url}{route}",
+        content=json.dumps(body),
+        timeout=60,
+        headers={"content-type": "application/json"},
+    ) as response:
+        for _ in response.iter_bytes():
+            pass
+        return response.status_code
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_no_body_gets_a_5xx(
+    base_url: str, served: Served, document: dict[str, Any], route: str
+) -> None:
+    before = worker_pids(served)
+    assert before
+    statuses: dict[int, int] = {}
+
+    @settings(
+        max_examples=EXAMPLES_PER_ROUTE,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(body=bodies(document, route))
+    def check(body: Any) -> None:
+        status = send(base_url, route, body)
+        statuses[status] = statuses.get(status, 0) + 1
+        assert status < 500, (route, body)
+
+    check()
+    # Some requests got through, some were refused: the fuzz reached both sides.
+    assert statuses.get(200), statuses
+    assert any(400 <= s < 500 for s in statuses), statuses
+    assert worker_pids(served) == before  # no worker crashed and was restarted
+    ready = httpx.get(f"{base_url}/ready", timeout=10).json()
+    assert ready["healthy_workers"] == 1

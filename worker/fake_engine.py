@@ -1,0 +1,182 @@
+"""A zero-cost FAKE engine: a benchmark double for the gateway's own cost. Not a model.
+
+``python -m worker.fake_engine`` runs the real worker loop
+(:class:`worker.server.WorkerServer`: the same ROUTER socket, outbox and
+heartbeats as ``llmgate worker``) around :class:`FakeEngine`, which answers
+every request with ``" fake"`` tokens instead of running a model. What a
+gateway in front of it spends per request is then the gateway's own cost,
+which is what ``loadtest.overhead`` measures.
+
+A request gets ``--tokens`` tokens per choice, or when that is 0 its own
+``max_tokens`` (16 when unset). They come one per step: with
+``--token-interval-ms 0`` a step is one turn of the event loop (so the
+worker's one-frame-per-turn flush batches concurrent requests, as with a
+real engine step); otherwise steps keep that fixed interval. A one-token
+answer goes out as one frame, at once.
+
+It never stands in for vLLM in a feature test: the prompt is not read
+beyond a rough whitespace count for ``usage``, and sampling fields other
+than ``n`` and ``max_tokens`` are ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from shared import protocol, settings
+from shared.logs import setup_logging
+from worker.engine import Engine, PreparedPrompt
+
+log = logging.getLogger(__name__)
+
+TOKEN_TEXT = " fake"
+DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class FakeParams:
+    """What the fake engine reads of a request (it stands where ``SamplingParams`` would)."""
+
+    n: int
+    max_tokens: int
+
+
+class FakeEngine(Engine):
+    """Answers at once, or emits tokens at a fixed interval; no model, no vLLM import."""
+
+    def __init__(
+        self,
+        served_model_names: list[str],
+        tokens: int = 0,
+        token_interval: float = 0.0,
+        capacity: int = 1024,
+        max_model_len: int = 4096,
+    ) -> None:
+        # Engine.__init__ builds an AsyncLLM: deliberately not called.
+        self.served_model_names = served_model_names
+        self.tokens = tokens
+        self.token_interval = token_interval
+        self.max_num_seqs = capacity
+        self.max_model_len = max_model_len
+        self.running = 0
+
+    async def prepare(
+        self, kind: protocol.RequestKind, params: dict[str, Any]
+    ) -> list[PreparedPrompt]:
+        max_tokens = self.tokens or requested_tokens(params)
+        fake = FakeParams(n=int(params.get("n") or 1), max_tokens=max_tokens)
+        return [PreparedPrompt(None, fake, rough_prompt_tokens(kind, params))]
+
+    async def run(
+        self, request_id: str, prompts: list[PreparedPrompt]
+    ) -> AsyncIterator[list[protocol.Delta]]:
+        fake: FakeParams = prompts[0].sampling_params
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        self.running += 1
+        try:
+            for step in range(fake.max_tokens):
+                if step:
+                    # A schedule, not a sleep per token, so the interval does not drift.
+                    delay = start + step * self.token_interval - loop.time()
+                    await asyncio.sleep(max(delay, 0.0))
+                last = step == fake.max_tokens - 1
+                yield [
+                    protocol.Delta(
+                        request_id=request_id,
+                        index=index,
+                        text=TOKEN_TEXT,
+                        num_tokens=1,
+                        finish_reason="length" if last else None,
+                    )
+                    for index in range(fake.n)
+                ]
+        finally:
+            self.running -= 1
+        usage = protocol.Usage(prompts[0].prompt_tokens, fake.max_tokens * fake.n)
+        yield [protocol.Delta(request_id=request_id, index=0, usage=usage)]
+
+    def load(self) -> tuple[int, int, float]:
+        return self.running, 0, 0.0
+
+    async def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+
+def requested_tokens(params: dict[str, Any]) -> int:
+    """The request's ``max_tokens`` (or chat's ``max_completion_tokens``), at least 1."""
+    value = params.get("max_tokens") or params.get("max_completion_tokens")
+    return max(int(value), 1) if value else DEFAULT_MAX_TOKENS
+
+
+def rough_prompt_tokens(kind: protocol.RequestKind, params: dict[str, Any]) -> int:
+    """Words in the prompt: a stand-in for a tokenizer's count, for ``usage`` only."""
+    if kind == "chat":
+        text = " ".join(str(m.get("content") or "") for m in params.get("messages", []))
+    else:
+        prompt = params.get("prompt", "")
+        text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
+    return max(len(text.split()), 1)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m worker.fake_engine",
+        description="A zero-cost fake worker (benchmark double): the worker loop, no model.",
+    )
+    settings.add_arguments(parser, settings.WorkerSettings)
+    parser.add_argument(
+        "--served-model-name", default=settings.DEFAULT_MODEL_NAME, help="model name it answers"
+    )
+    parser.add_argument(
+        "--tokens", type=int, default=0, help="tokens per choice; 0 = the request's max_tokens"
+    )
+    parser.add_argument(
+        "--token-interval-ms", type=float, default=0.0, help="ms between tokens; 0 = every turn"
+    )
+    parser.add_argument(
+        "--capacity", type=int, default=1024, help="requests at once it reports (max_num_seqs)"
+    )
+    parser.add_argument("--log-level", default="warning")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    from worker.server import WorkerServer
+
+    namespace = build_parser().parse_args(argv)
+    worker_settings = settings.from_namespace(settings.WorkerSettings, namespace)
+    setup_logging(namespace.log_level)
+    engine = FakeEngine(
+        [namespace.served_model_name],
+        tokens=namespace.tokens,
+        token_interval=namespace.token_interval_ms / 1000,
+        capacity=namespace.capacity,
+    )
+    log.warning("FAKE engine: answers %r tokens with no model (a benchmark double)", TOKEN_TEXT)
+    try:
+        _run(WorkerServer(worker_settings, engine).serve())
+    except KeyboardInterrupt:
+        pass
+
+
+def _run(coroutine: Any) -> None:
+    # uvloop, as the gateway uses, so the fake side is no slower than it must be.
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coroutine)
+    else:
+        uvloop.run(coroutine)
+
+
+if __name__ == "__main__":
+    main()
