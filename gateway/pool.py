@@ -71,6 +71,8 @@ class WorkerState:
     kv_cache_usage: float = 0.0
     capacity: int = 0
     max_model_len: int = 0
+    # Requests it runs or queues for other gateways, as of its last heartbeat.
+    others: int = 0
     system_fingerprint: str | None = None
     requests: set[str] = field(default_factory=set)
     # No longer listed by DNS: closed once idle.
@@ -341,6 +343,9 @@ class Pool:
         worker.system_fingerprint = beat.system_fingerprint or None
         worker.running = beat.running
         worker.waiting = beat.waiting
+        # The worker's count includes this gateway's own requests, which
+        # in_flight already knows exactly and at once: keep only the rest.
+        worker.others = max(0, beat.running + beat.waiting - worker.in_flight)
         worker.kv_cache_usage = beat.kv_cache_usage
         worker.capacity = beat.capacity
         worker.max_model_len = beat.max_model_len

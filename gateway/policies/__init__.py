@@ -6,9 +6,9 @@ not draining and have a free slot, so a policy only chooses among equals in
 eligibility. Policies keep no per-request or per-key state (the memory of
 routing stays bounded whatever the traffic):
 
-* ``least-load`` (default): power of two choices over each worker's load,
-  its requests in flight from this gateway plus the waiting requests it last
-  reported (``gateway.policies.least_load``);
+* ``least-load`` (default): power of two choices over each worker's load:
+  its requests in flight from this gateway (exact, current) plus those of
+  other gateways, as of its last heartbeat (``gateway.policies.least_load``);
 * ``prefix``: rendezvous hashing of a session key or the prompt's prefix, with
   bounded load, so repeated prefixes reach the same vLLM prefix cache
   (``gateway.policies.prefix``);
@@ -43,8 +43,13 @@ class Policy(Protocol):
 
 
 def load(worker: WorkerState) -> int:
-    """A worker's load as this gateway sees it: own in-flight + reported waiting."""
-    return worker.in_flight + worker.waiting
+    """A worker's load as this gateway sees it: own in-flight + other gateways' requests.
+
+    Not own in-flight + the reported waiting count: that counts this gateway's
+    queued requests twice, and from a heartbeat up to a second old, so the
+    policy swings away from a worker whose queue has already drained.
+    """
+    return worker.in_flight + worker.others
 
 
 def make_policy(name: str, load_factor: float) -> Policy:

@@ -27,9 +27,9 @@ def ctx(candidates: list[WorkerState], key: str | None = None) -> RoutingContext
     return RoutingContext("m", candidates, key)
 
 
-def test_load_is_own_in_flight_plus_reported_waiting() -> None:
+def test_load_is_own_in_flight_plus_other_gateways_requests() -> None:
     (worker,) = workers(1)
-    worker.in_flight, worker.waiting, worker.running = 3, 2, 50
+    worker.in_flight, worker.others, worker.waiting, worker.running = 3, 2, 9, 50
     assert load(worker) == 5
 
 
@@ -119,3 +119,23 @@ def test_policies_by_name(name: str, cls: Any) -> None:
 def test_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="least-load"):
         make_policy("random-ish", 1.25)
+
+
+async def test_a_heartbeat_counts_only_other_gateways_requests() -> None:
+    # Regression: load used to add the reported waiting count to in_flight,
+    # counting this gateway's queued requests twice (and a second late).
+    from gateway.pool import Pool
+    from shared import protocol
+    from shared.settings import GatewaySettings
+
+    pool = Pool(GatewaySettings())
+    (worker,) = workers(1)
+    pool.workers[worker.address] = worker
+    worker.in_flight = 6
+    beat = protocol.Heartbeat("w", "i", ["m"], running=4, waiting=5, capacity=8)
+    pool._on_message(worker.link, beat)
+    assert worker.others == 3  # 9 on the worker, 6 of them ours
+    worker.in_flight = 12  # ours grew since: never negative
+    pool._on_message(worker.link, beat)
+    assert worker.others == 0
+    assert load(worker) == 12
