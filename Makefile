@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
 
-.PHONY: install run test test-fast lint format bench bench-overhead bench-smoke loadtest clean
+.PHONY: install run test test-fast lint format bench bench-overhead loadtest clean
 
 install:
 	@scripts/install.sh
@@ -33,9 +33,6 @@ bench: install
 # The gateway's own cost over a zero-cost fake worker, beside vllm-router (needs wrk).
 bench-overhead: install
 	$(PY) -m loadtest.overhead $(ARGS)
-
-bench-smoke: install
-	$(PY) -m loadtest.bench_smoke $(ARGS)
 
 loadtest: install
 	$(PY) -m loadtest.loadtest $(ARGS)

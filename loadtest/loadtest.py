@@ -50,7 +50,7 @@ from types import FrameType
 import httpx
 import psutil
 
-from loadtest import bench_smoke, procs
+from loadtest import procs, targets
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_ROOT = ROOT / "loadtest" / "results"
@@ -369,7 +369,8 @@ def target(args: argparse.Namespace, run_dir: Path) -> Iterator[str]:
         procs.wait_ready(url + "/v1/models", args.startup_timeout)
         yield url
         return
-    with bench_smoke.running_server("llmgate", args, run_dir / "llmgate.log") as url:
+    engine = targets.Engine(args.enforce_eager, args.startup_timeout)
+    with targets.serving("llmgate-1", engine, run_dir) as url:
         yield url
 
 
