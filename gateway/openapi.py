@@ -28,8 +28,8 @@ BODIES: list[tuple[str, type[msgspec.Struct]]] = [
     ("/", tgi.GenerateRequest),
 ]
 
-STREAMING = {"/generate_stream", "/"}
-STREAMING_OPENAI = {"/v1/completions", "/v1/chat/completions"}
+# Routes that answer with server-sent events (always, or when the body asks).
+STREAMING = {"/v1/completions", "/v1/chat/completions", "/generate_stream", "/"}
 
 
 class OpenAIErrorDetail(msgspec.Struct):
@@ -94,7 +94,7 @@ def build(app: FastAPI) -> dict[str, Any]:
         responses.pop("422", None)  # FastAPI's own validation error: never raised here
         ok = responses.setdefault("200", {"description": "Successful Response"})
         ok["content"] = {"application/json": {"schema": {"type": "object"}}}
-        if path in STREAMING or path in STREAMING_OPENAI:
+        if path in STREAMING:
             ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
         for status, description in _ERRORS.items():
             if path in tgi.PATHS and status == "400":

@@ -139,14 +139,8 @@ def planned_seconds(runs: Sequence[Run]) -> float:
 def locust_argv(run: Run, host: str, prefix: Path, args: argparse.Namespace) -> list[str]:
     """The headless Locust command line for ``run``; reports go to ``prefix``*."""
     return [
-        sys.executable,
-        "-m",
-        "locust",
-        "-f",
-        str(LOCUSTFILE),
+        *_locust(host),
         "--headless",
-        "--host",
-        host,
         "--users",
         str(run.users),
         # Every user at once: a closed loop, not a ramp.
@@ -173,13 +167,7 @@ def locust_argv(run: Run, host: str, prefix: Path, args: argparse.Namespace) -> 
 
 def web_argv(host: str, prefix: Path, args: argparse.Namespace) -> list[str]:
     return [
-        sys.executable,
-        "-m",
-        "locust",
-        "-f",
-        str(LOCUSTFILE),
-        "--host",
-        host,
+        *_locust(host),
         "--web-host",
         "127.0.0.1",
         "--web-port",
@@ -191,6 +179,11 @@ def web_argv(host: str, prefix: Path, args: argparse.Namespace) -> list[str]:
         f"{prefix}.html",
         *_scenario_options(args),
     ]
+
+
+def _locust(host: str) -> list[str]:
+    """Locust, our locustfile, and the server to load."""
+    return [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--host", host]
 
 
 def _scenario_options(args: argparse.Namespace) -> list[str]:

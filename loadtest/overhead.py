@@ -566,6 +566,14 @@ def format_verdicts(items: Sequence[Verdict]) -> str:
 # --- profiles --------------------------------------------------------------
 
 
+def _stacks(collapsed: str) -> Iterator[tuple[str, int]]:
+    """(stack, samples) of each well-formed line of py-spy's raw output."""
+    for line in collapsed.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            yield stack, int(count)
+
+
 def top_frames(collapsed: str, limit: int = 15) -> tuple[list[tuple[str, float]], int]:
     """Self time per frame from py-spy's raw (collapsed-stack) output: (frame, share), samples.
 
@@ -573,11 +581,7 @@ def top_frames(collapsed: str, limit: int = 15) -> tuple[list[tuple[str, float]]
     """
     self_counts: collections.Counter[str] = collections.Counter()
     total = 0
-    for line in collapsed.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        samples = int(count)
+    for stack, samples in _stacks(collapsed):
         total += samples
         self_counts[stack.rsplit(";", 1)[-1]] += samples
     return [(frame, n / total) for frame, n in self_counts.most_common(limit)], total
@@ -587,11 +591,7 @@ def inclusive_by_file(collapsed: str, limit: int = 15) -> list[tuple[str, float]
     """Share of samples whose stack passes through each source file (counted once a stack)."""
     counts: collections.Counter[str] = collections.Counter()
     total = 0
-    for line in collapsed.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        samples = int(count)
+    for stack, samples in _stacks(collapsed):
         total += samples
         for source in {_frame_file(frame) for frame in stack.split(";")}:
             counts[source] += samples
