@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -11,9 +12,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp
 
-from gateway import errors, metrics, openapi, sse, tgi
-from gateway.api import auth, health, openai
+from gateway import errors, metrics, openapi
+from gateway.api import auth, direct, health, openai
 from gateway.api import tgi as tgi_routes
 from gateway.pool import Pool
 from shared.settings import GatewaySettings
@@ -21,19 +23,39 @@ from shared.settings import GatewaySettings
 log = logging.getLogger(__name__)
 
 
-def create_app_from_environment() -> FastAPI:
+def create_app_from_environment() -> ASGIApp:
     """The app with settings from ``LLMGATE_*`` variables (uvicorn's factory)."""
     from shared import settings
 
     return create_app(settings.from_environment(GatewaySettings))
 
 
-def create_app(settings: GatewaySettings) -> FastAPI:
+def create_app(settings: GatewaySettings) -> ASGIApp:
+    """The ASGI stack: the API-key check (when keys are set), then the API's
+    POST routes served directly (:mod:`gateway.api.direct`), then FastAPI."""
+    api = create_api(settings)
+    app: ASGIApp = direct.DirectRoutes(
+        api, direct.post_endpoints([openai.router, tgi_routes.router])
+    )
+    api_keys = auth.load_api_keys(settings)
+    if api_keys:
+        app = auth.ApiKeyMiddleware(app, keys=api_keys, protect_metrics=settings.protect_metrics)
+    return app
+
+
+def create_api(settings: GatewaySettings) -> FastAPI:
+    """The FastAPI app: every route (and the OpenAPI document), the pool's lifetime,
+    and the error handlers."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         pool = Pool(settings)
         await pool.start()
         app.state.pool = pool
+        # What start-up built (FastAPI, pydantic, routes) lives as long as the
+        # process: frozen, the cyclic collector stops walking it again every
+        # few hundred requests.
+        gc.freeze()
         try:
             yield
         finally:
@@ -47,11 +69,6 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.include_router(tgi_routes.router)
     openapi.install(app)
     app.include_router(health.router)
-    api_keys = auth.load_api_keys(settings)
-    if api_keys:
-        app.add_middleware(
-            auth.ApiKeyMiddleware, keys=api_keys, protect_metrics=settings.protect_metrics
-        )
     app.add_exception_handler(errors.GatewayError, _gateway_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -59,47 +76,30 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     return app
 
 
-def _render(error: errors.GatewayError, request: Request | None = None) -> Response:
-    if request is not None and request.url.path in tgi.PATHS:
-        # TGI's clients read TGI's error body.
-        return Response(
-            sse.encode(tgi.error_body(error)),
-            status_code=tgi.error_status(error),
-            headers=error.headers(),
-            media_type="application/json",
-        )
-    return Response(
-        error.json(),
-        status_code=error.status,
-        headers=error.headers(),
-        media_type="application/json",
-    )
-
-
 async def _gateway_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, errors.GatewayError)
-    return _render(exc, request)
+    return direct.render(exc, request.url.path)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     """Starlette's own errors (unknown route, wrong method) in OpenAI's shape."""
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
-        return _render(errors.NotFound(f"No route {request.method} {request.url.path}."))
+        return direct.render(errors.NotFound(f"No route {request.method} {request.url.path}."))
     error = (
         errors.BadRequest(str(exc.detail))
         if exc.status_code < 500
         else errors.GatewayError(str(exc.detail))
     )
-    response = _render(error)
+    response = direct.render(error)
     response.status_code = exc.status_code
     return response
 
 
 async def _validation_error(_: Request, exc: Exception) -> Response:
-    return _render(errors.BadRequest(str(exc)))
+    return direct.render(errors.BadRequest(str(exc)))
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return _render(errors.GatewayError("Internal error in the gateway."))
+    return direct.render(errors.GatewayError("Internal error in the gateway."))

@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> None:
             http="httptools",
             log_level=gateway.log_level,
             access_log=False,
+            # Nothing here reads the client's address or scheme, so uvicorn's
+            # X-Forwarded-* rewriting would be work on every request for nothing.
+            proxy_headers=False,
             timeout_graceful_shutdown=int(gateway.drain_timeout),
         )
     finally:

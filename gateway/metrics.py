@@ -12,7 +12,9 @@ histograms, base units) under the ``llmgate_`` prefix.
 
 from __future__ import annotations
 
+import functools
 import os
+from typing import TypeVar
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -25,6 +27,12 @@ from prometheus_client import (
 )
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+# Label for requests naming a model no worker has served: clients choose the
+# name, and each new one would be a new series that lives forever.
+UNKNOWN_MODEL = "unknown"
+
+M = TypeVar("M", Counter, Gauge, Histogram)
 
 # Seconds; LLM requests range from milliseconds (a cached short answer) to minutes.
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
@@ -120,6 +128,13 @@ WORKER_IN_FLIGHT = Gauge(
     ["worker"],
     multiprocess_mode="livesum",
 )
+
+
+@functools.lru_cache(maxsize=4096)
+def child(metric: M, *labels: str) -> M:
+    """``metric.labels(*labels)``, looked up once (prometheus_client's lookup
+    takes a lock and rebuilds its key on every call, several times a request)."""
+    return metric.labels(*labels)
 
 
 def render() -> tuple[bytes, str]:

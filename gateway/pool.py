@@ -24,7 +24,9 @@ gets 503; a model no healthy worker serves is a 404.
 from __future__ import annotations
 
 import asyncio
+import collections
 import ipaddress
+import itertools
 import logging
 import socket
 import time
@@ -33,7 +35,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-import zmq.asyncio
+import zmq
 
 from gateway import errors, metrics
 from gateway.policies import Policy, RoutingContext, make_policy
@@ -88,6 +90,39 @@ class WorkerState:
         return self.link.address
 
 
+class Inbox:
+    """What a worker sent for one request, in order: an ``asyncio.Queue`` for
+    one reader and no bound, without the Queue's bookkeeping (it is made,
+    filled and read once per request)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: collections.deque[Item] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: Item) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def get_nowait(self) -> Item:
+        return self._items.popleft()
+
+    async def get(self) -> Item:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
 class RequestHandle:
     """One request in flight: what the worker sends for it, in order."""
 
@@ -95,7 +130,7 @@ class RequestHandle:
         self.pool = pool
         self.request_id = request_id
         self.worker = worker
-        self.queue: asyncio.Queue[Item] = asyncio.Queue()
+        self.queue = Inbox()
         self.finished = False
         # Called once on close (the attempt's deadline timer, if any, is cancelled).
         self.on_close: Callable[[], object] | None = None
@@ -115,9 +150,15 @@ class Pool:
         self.settings = settings
         self.policy = policy or make_policy(settings.policy, settings.prefix_load_factor)
         self.gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
-        self.ctx = zmq.asyncio.Context()
+        # Request ids: this process's random part and a counter (unique across
+        # gateways and restarts, and cheaper than a uuid4 per request).
+        self._id_prefix = self.gateway_id[3:] + "-"
+        self._request_numbers = itertools.count(1)
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.workers: dict[str, WorkerState] = {}
         self.pending: dict[str, RequestHandle] = {}
+        # Every model a worker has said it serves (metrics label only these).
+        self.known_models: set[str] = set()
         self.started_at = int(time.time())
         self.queued = 0
         self._specs = parse_addresses(settings.workers)
@@ -171,6 +212,14 @@ class Pool:
 
     def _eligible(self, model: str, exclude: Collection[WorkerState]) -> list[WorkerState]:
         """Healthy, serving ``model``, not draining, not excluded; 404/503 if none."""
+        eligible = [
+            w
+            for w in self.workers.values()
+            if w.healthy and not w.draining and model in w.models and w not in exclude
+        ]
+        if eligible:
+            return eligible
+        # None: say why.
         healthy = self.healthy_workers()
         serving = [w for w in healthy if model in w.models]
         if not serving:
@@ -178,11 +227,8 @@ class Pool:
                 raise errors.ModelNotFound.for_model(model)
             metrics.REJECTED.labels("no_worker").inc()
             raise errors.NoWorker(f"No worker for model `{model}` is available.")
-        eligible = [w for w in serving if not w.draining and w not in exclude]
-        if not eligible:
-            metrics.REJECTED.labels("no_worker").inc()
-            raise errors.NoWorker(f"No other worker for model `{model}` is available.")
-        return eligible
+        metrics.REJECTED.labels("no_worker").inc()
+        raise errors.NoWorker(f"No other worker for model `{model}` is available.")
 
     async def _acquire(
         self, model: str, key: str | None, deadline: float, exclude: Collection[WorkerState]
@@ -238,32 +284,26 @@ class Pool:
         exclude: Collection[WorkerState] = (),
     ) -> RequestHandle:
         """Admit the request, pick a worker, send it; raises a ``GatewayError`` if refused."""
-        tried = set(exclude)
-        while True:
-            worker = await self._acquire(model, key, deadline, tried)
-            request_id = uuid.uuid4().hex
-            message = protocol.Generate(
-                request_id=request_id, model=model, kind=kind, params=params, deadline=deadline
-            )
-            try:
-                sent = worker.link.send(message)
-            except OverflowError:
-                # msgpack holds 64-bit integers; JSON does not stop at that.
-                raise errors.BadRequest(
-                    "The request holds an integer too large to handle (64 bits at most)."
-                ) from None
-            if sent:
-                break
-            # The connection is gone although the worker looked healthy: it is
-            # lost, and the request goes to another.
-            self._lose(worker, "its connection dropped")
-            tried.add(worker)
+        worker = await self._acquire(model, key, deadline, exclude)
+        request_id = f"{self._id_prefix}{next(self._request_numbers)}"
+        message = protocol.Generate(
+            request_id=request_id, model=model, kind=kind, params=params, deadline=deadline
+        )
+        try:
+            # Leaves at the end of this loop turn; if the connection turns out
+            # to be gone, the worker is lost and the request retried elsewhere.
+            worker.link.send(message)
+        except OverflowError:
+            # msgpack holds 64-bit integers; JSON does not stop at that.
+            raise errors.BadRequest(
+                "The request holds an integer too large to handle (64 bits at most)."
+            ) from None
         handle = RequestHandle(self, request_id, worker)
         self.pending[request_id] = handle
         worker.requests.add(request_id)
         worker.in_flight += 1
         metrics.IN_FLIGHT.inc()
-        metrics.WORKER_IN_FLIGHT.labels(worker.key).inc()
+        metrics.child(metrics.WORKER_IN_FLIGHT, worker.key).inc()
         return handle
 
     def _release(self, handle: RequestHandle, abort: bool) -> None:
@@ -273,7 +313,7 @@ class Pool:
         worker.requests.discard(handle.request_id)
         worker.in_flight -= 1
         metrics.IN_FLIGHT.dec()
-        metrics.WORKER_IN_FLIGHT.labels(worker.key).dec()
+        metrics.child(metrics.WORKER_IN_FLIGHT, worker.key).dec()
         if abort and worker.healthy:
             worker.link.send(protocol.Abort(request_ids=[handle.request_id]))
         self._wake(1)
@@ -337,6 +377,7 @@ class Pool:
         worker.worker_id = beat.worker_id
         worker.incarnation = beat.incarnation
         worker.models = frozenset(beat.models)
+        self.known_models.update(beat.models)
         worker.last_heartbeat = time.monotonic()
         was_healthy, worker.healthy = worker.healthy, True
         worker.draining = beat.draining

@@ -1,10 +1,13 @@
 """The wire protocol between gateways and workers.
 
 Transport: ZeroMQ. Each gateway process opens one DEALER socket per worker
-and connects it to that worker's ROUTER socket. Every message is a single
-ZMQ frame holding one msgpack-encoded, tagged msgspec struct. On the worker,
-the ROUTER prepends the sending gateway's identity frame, so a worker sees
-``[gateway identity, body]`` and replies with ``[gateway identity, body]``.
+and connects it to that worker's ROUTER socket. Every frame holds one
+msgpack-encoded, tagged msgspec struct. A gateway sends what it queued for a
+worker in one event-loop turn as the frames of one ZMQ message (one wake of
+libzmq's I/O thread per turn, not per request). On the worker, the ROUTER
+prepends the sending gateway's identity frame, so a worker sees
+``[gateway identity, body, body, ...]`` and replies with ``[gateway
+identity, body]``.
 
 Structs are ``array_like`` (encoded as msgpack arrays, no field names on the
 wire) and tagged: the first array element is the message kind, a short
@@ -35,7 +38,7 @@ from typing import Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # Generous for long prompts and big batches of deltas, small enough that a
 # bad peer cannot make us allocate without bound (ZMQ_MAXMSGSIZE).

@@ -27,6 +27,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from shared import keys, protocol
 from shared.settings import WorkerSettings
+from shared.zmqio import Reader
 from worker.engine import Engine
 from worker.sampling import RequestError
 
@@ -57,6 +58,9 @@ class WorkerServer:
         self.ctx = zmq.asyncio.Context()
         self.curve = keys.worker_curve(settings)
         self.sock = make_router(self.ctx, self.curve)
+        # Read and written as a plain socket from the loop's poller (shared.zmqio).
+        self.raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.sock.underlying)
+        self.reader: Reader[list[bytes]] = Reader(self.raw, self._on_frames, multipart=True)
         self.encoder = protocol.encoder()
         self.decoder = protocol.worker_decoder()
         self.requests: dict[str, _Running] = {}
@@ -85,14 +89,15 @@ class WorkerServer:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal)
+        self.reader.start()
         tasks = [
-            asyncio.create_task(self._receive_loop(), name="receive"),
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(log_handshake_failures(monitor), name="handshake monitor"),
         ]
         try:
             await self._stop.wait()
         finally:
+            self.reader.stop()
             for task in tasks:
                 task.cancel()
             for running in list(self.requests.values()):
@@ -132,24 +137,25 @@ class WorkerServer:
 
     # -- receiving ---------------------------------------------------------
 
-    async def _receive_loop(self) -> None:
-        while True:
-            frames = await self.sock.recv_multipart(copy=False)
-            if len(frames) != 2:
-                log.warning("dropping a message of %d frames", len(frames))
-                continue
-            identity = bytes(frames[0].buffer)
+    def _on_frames(self, frames: list[bytes]) -> None:
+        # [gateway identity, message, message, ...]: a gateway sends what it
+        # queued in one event-loop turn as one ZeroMQ message.
+        if len(frames) < 2:
+            log.warning("dropping a message of %d frames", len(frames))
+            return
+        identity = frames[0]
+        gateway = self.gateways.get(identity)
+        if gateway is None:
+            gateway = self.gateways[identity] = _Gateway(last_seen=time.monotonic())
+            # Say hello at once so a new gateway need not wait a heartbeat period.
+            self._send(identity, self._heartbeat())
+        gateway.last_seen = time.monotonic()
+        for body in frames[1:]:
             try:
-                message = self.decoder.decode(frames[1].buffer)
+                message = self.decoder.decode(body)
             except msgspec.DecodeError as exc:
                 log.warning("dropping an undecodable frame from %r: %s", identity, exc)
                 continue
-            gateway = self.gateways.get(identity)
-            if gateway is None:
-                gateway = self.gateways[identity] = _Gateway(last_seen=time.monotonic())
-                # Say hello at once so a new gateway need not wait a heartbeat period.
-                self._send(identity, self._heartbeat())
-            gateway.last_seen = time.monotonic()
             if isinstance(message, protocol.Generate):
                 self._start(identity, message)
             elif isinstance(message, protocol.Abort):
@@ -241,10 +247,14 @@ class WorkerServer:
         self._send(identity, protocol.Failed(request_id, status, message, param))
 
     def _send(self, identity: Identity, message: protocol._Message) -> None:
+        # ROUTER_MANDATORY is off: a message for a gateway that is gone, or
+        # past the high-water mark, is dropped rather than blocking.
         try:
-            self.sock.send_multipart([identity, self.encoder.encode(message)], copy=False)
+            self.raw.send_multipart([identity, self.encoder.encode(message)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("send to %r failed: %s", identity, exc)
+        finally:
+            self.reader.after_send()
 
     # -- heartbeats and dead gateways -------------------------------------
 

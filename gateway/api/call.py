@@ -13,7 +13,7 @@ lost worker ends the stream with an error event.
 
 A client that goes away aborts its request on the worker: streaming
 responses see it as cancellation, non-streaming ones watch for the ASGI
-``http.disconnect`` message while they wait.
+``http.disconnect`` message while they wait (:class:`DisconnectWatch`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from gateway import errors, metrics, schemas, sse
 from gateway.pool import Pool, RequestHandle, WorkerLost, WorkerState
@@ -39,8 +40,10 @@ JSON = "application/json"
 # Put in a request's queue by its deadline timer (one per attempt: cheaper
 # than a timeout scope around every delta).
 _EXPIRED = WorkerLost("deadline passed")
-TIMEOUT_HEADER = "x-request-timeout"
-SESSION_HEADER = "x-session-id"
+# How long a non-streaming request runs before a task watches for its client leaving.
+DISCONNECT_GRACE = 0.02
+TIMEOUT_HEADER = b"x-request-timeout"
+SESSION_HEADER = b"x-session-id"
 WORKER_HEADER = "x-llmgate-worker"
 
 
@@ -49,38 +52,59 @@ def pool_of(request: Request) -> Pool:
     return pool
 
 
+def header(request: Request, name: bytes) -> str | None:
+    """The value of the first header called ``name`` (lower case), or None.
+
+    A scan of the raw ASGI list: cheaper than building Starlette's
+    ``Headers`` for the two or three a request reads.
+    """
+    for key, value in request.scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
 async def read_body(request: Request) -> bytes:
     """The body, refused with 413 as soon as it is known to be over ``--max-body-bytes``."""
     limit = pool_of(request).settings.max_body_bytes
-    too_large = errors.PayloadTooLarge(
-        f"The request body is larger than this server's --max-body-bytes of {limit} bytes."
-    )
-    declared = request.headers.get("content-length")
+    declared = header(request, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large  # without reading a byte of it
-    chunks = []
+        raise _too_large(limit)  # without reading a byte of it
+    # ASGI messages straight from the server: one, for most bodies.
+    chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise too_large
+            raise _too_large(limit)
+        if not message.get("more_body", False):
+            return chunk if not chunks else b"".join([*chunks, chunk])
         chunks.append(chunk)
-    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> errors.PayloadTooLarge:
+    return errors.PayloadTooLarge(
+        f"The request body is larger than this server's --max-body-bytes of {limit} bytes."
+    )
 
 
 def _deadline(request: Request, default_timeout: float) -> float:
     """Unix time the request must finish by (0: none), from the header or the setting."""
-    header = request.headers.get(TIMEOUT_HEADER)
+    value = header(request, TIMEOUT_HEADER)
     timeout = default_timeout
-    if header is not None:
+    if value is not None:
         try:
-            timeout = float(header)
+            timeout = float(value)
         except ValueError:
             raise errors.BadRequest(
-                f"{TIMEOUT_HEADER} must be a number of seconds, not {header!r}."
+                f"X-Request-Timeout must be a number of seconds, not {value!r}."
             ) from None
         if not timeout > 0:
-            raise errors.BadRequest(f"{TIMEOUT_HEADER} must be positive.")
+            raise errors.BadRequest("X-Request-Timeout must be positive.")
         if default_timeout:
             timeout = min(timeout, default_timeout)
     return time.time() + timeout if timeout else 0.0
@@ -109,7 +133,7 @@ class Call:
         settings = self.pool.settings
         key = None
         if self.pool.policy.uses_key:
-            session = self.request.headers.get(SESSION_HEADER) or self.body.user
+            session = header(self.request, SESSION_HEADER) or self.body.user
             key = session if session else key_of(settings.prefix_chars)
         try:
             if self.body.stream:
@@ -156,19 +180,26 @@ class Call:
     # -- non-streaming -------------------------------------------------------
 
     async def _complete(self, key: str | None) -> Response:
-        while True:
-            handle = await self._submit(key)
-            try:
-                outcome = await _until_disconnect(self.request, self._collect(handle))
-            finally:
-                handle.close()
-            if outcome is None:
-                self._finish(499)  # nginx's "client closed request"
-                return Response(status_code=499)
-            if isinstance(outcome, Response):
-                return outcome
-            self._retry_or_raise(handle, outcome)
-            self.builder.reset()
+        watch = DisconnectWatch(self.request)
+        try:
+            while True:
+                handle = await self._submit(key)
+                try:
+                    outcome = await self._collect(handle)
+                finally:
+                    handle.close()
+                if isinstance(outcome, Response):
+                    return outcome
+                self._retry_or_raise(handle, outcome)
+                self.builder.reset()
+        except asyncio.CancelledError:
+            if not watch.disconnected:
+                raise
+            watch.task.uncancel()
+            self._finish(499)  # nginx's "client closed request"
+            return Response(status_code=499)
+        finally:
+            watch.stop()
 
     async def _collect(self, handle: RequestHandle) -> Response | protocol.Failed | WorkerLost:
         while True:
@@ -217,7 +248,7 @@ class Call:
         status = 200
         usage = None
         model = self.body.model
-        itl = metrics.ITL.labels(model)
+        itl = metrics.child(metrics.ITL, model)
         queue = handle.queue
         try:
             while True:
@@ -242,7 +273,7 @@ class Call:
                 if last_chunk:
                     itl.observe(now - last_chunk)
                 else:
-                    metrics.TTFT.labels(model, self.route).observe(now - self.started)
+                    metrics.child(metrics.TTFT, model, self.route).observe(now - self.started)
                 last_chunk = now
                 # Deltas that queued up meanwhile go out in the same write: one
                 # transport write per batch, not per token, under load.
@@ -276,12 +307,16 @@ class Call:
     # -- accounting ------------------------------------------------------------
 
     def _finish(self, status: int, usage: protocol.Usage | None = None) -> None:
-        model, route = self.body.model, self.route
-        metrics.REQUESTS.labels(model, route, str(status)).inc()
-        metrics.E2E_LATENCY.labels(model, route).observe(time.monotonic() - self.started)
+        route = self.route
+        model = self.body.model
+        if model not in self.pool.known_models:
+            model = metrics.UNKNOWN_MODEL
+        child = metrics.child
+        child(metrics.REQUESTS, model, route, str(status)).inc()
+        child(metrics.E2E_LATENCY, model, route).observe(time.monotonic() - self.started)
         if usage is not None:
-            metrics.PROMPT_TOKENS.labels(model).inc(usage.prompt_tokens)
-            metrics.GENERATION_TOKENS.labels(model).inc(usage.completion_tokens)
+            child(metrics.PROMPT_TOKENS, model).inc(usage.prompt_tokens)
+            child(metrics.GENERATION_TOKENS, model).inc(usage.completion_tokens)
 
 
 def _unless_expired(
@@ -292,27 +327,34 @@ def _unless_expired(
     return item
 
 
-async def _until_disconnect(request: Request, work: Any) -> Any:
-    """Run ``work`` unless the client disconnects first (then None)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            # cancel() only asks; wait for the work to unwind (its finally
-            # blocks abort the request) so its result is never read unset.
-            task.cancel()
-            await asyncio.wait({task})
-    if task.cancelled():
-        return None
-    return task.result()
+class DisconnectWatch:
+    """Cancels the current task if the client disconnects (then ``disconnected`` is set).
 
+    The watcher task starts only after ``DISCONNECT_GRACE`` seconds: most
+    requests to a fast worker are answered sooner, and never pay for it. A
+    client that left earlier is seen as soon as the watcher starts.
+    """
 
-async def _wait_disconnect(request: Request) -> None:
-    # The body has been read, so the next ASGI message is the disconnect.
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+    def __init__(self, request: Request) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.disconnected = False
+        self._receive = request.receive
+        self._watcher: asyncio.Task[None] | None = None
+        self._timer = asyncio.get_running_loop().call_later(DISCONNECT_GRACE, self._start)
+
+    def _start(self) -> None:
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        # The body has been read, so the next ASGI message is the disconnect.
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        self.disconnected = True
+        self.task.cancel()
+
+    def stop(self) -> None:
+        self._timer.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()

@@ -8,13 +8,13 @@ import jsonschema
 import pytest
 
 from gateway import openapi, schemas, tgi
-from gateway.app import create_app
+from gateway.app import create_api
 from shared.settings import GatewaySettings
 
 
 @pytest.fixture(scope="module")
 def document() -> dict[str, Any]:
-    return create_app(GatewaySettings()).openapi()
+    return create_api(GatewaySettings()).openapi()
 
 
 def body_schema(document: dict[str, Any], path: str) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The gateway's ZeroMQ link: no silent sends to a worker that is not there."""
+"""The gateway's ZeroMQ link: no silent sends to a worker that is not there, and
+what one loop turn queues leaves as one message, in order."""
 
 from __future__ import annotations
 
@@ -14,33 +15,88 @@ from shared import protocol
 from tests.conftest import free_port
 
 
-def test_send_without_a_connected_worker_fails_and_then_succeeds() -> None:
-    async def scenario() -> tuple[bool, bool, protocol.ToWorker]:
-        ctx = zmq.asyncio.Context()
-        address = f"tcp://127.0.0.1:{free_port()}"
-        link = WorkerLink(ctx, address, b"gw-test", lambda _link, _message: None)
-        ping = protocol.Ping(gateway_id="gw-test", sent_at=1.0)
-        before = link.send(ping)  # nobody listens yet: refused at once
-        router = ctx.socket(zmq.ROUTER)
-        router.bind(address)
-        for _ in range(100):  # until the DEALER has connected
-            if link.send(ping):
-                break
-            await asyncio.sleep(0.02)
-        else:
-            pytest.fail("never connected")
-        _identity, body = await asyncio.wait_for(router.recv_multipart(), 5)
-        router.close(0)
-        await link.close()
-        ctx.term()
-        return before, True, protocol.worker_decoder().decode(body)
-
+def run(scenario):  # type: ignore[no-untyped-def]
+    """Run ``scenario()`` on a fresh loop; fail on any error the loop reports."""
     loop_errors: list[dict] = []
     loop = asyncio.new_event_loop()
     loop.set_exception_handler(lambda _loop, context: loop_errors.append(context))
-    before, after, received = loop.run_until_complete(scenario())
+    result = loop.run_until_complete(scenario())
     gc.collect()  # unretrieved future exceptions are reported on collection
     loop.close()
-    assert before is False and after is True
-    assert isinstance(received, protocol.Ping)
     assert not loop_errors, loop_errors
+    return result
+
+
+def test_send_without_a_connected_worker_reports_the_link_down_then_succeeds() -> None:
+    async def scenario() -> tuple[int, int, list[bytes]]:
+        ctx = zmq.asyncio.Context()
+        link_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()  # links use plain sockets
+        address = f"tcp://127.0.0.1:{free_port()}"
+        down: list[WorkerLink] = []
+        link = WorkerLink(
+            link_ctx,
+            address,
+            b"gw-test",
+            lambda _link, _message: None,
+            on_disconnect=down.append,
+        )
+        link.start()
+        ping = protocol.Ping(gateway_id="gw-test", sent_at=1.0)
+        link.send(ping)  # nobody listens yet: refused at the end of the turn
+        await asyncio.sleep(0.01)
+        refused = len(down)
+        router = ctx.socket(zmq.ROUTER)
+        router.bind(address)
+        for _ in range(100):  # until the DEALER has connected
+            before = len(down)
+            link.send(ping)
+            await asyncio.sleep(0.02)
+            if len(down) == before:
+                break
+        else:
+            pytest.fail("never connected")
+        frames = await asyncio.wait_for(router.recv_multipart(), 5)
+        router.close(0)
+        await link.close()
+        link_ctx.term()
+        ctx.term()
+        return refused, len(down), frames
+
+    refused, _, frames = run(scenario)
+    assert refused == 1
+    assert frames[0] == b"gw-test"
+    assert isinstance(protocol.worker_decoder().decode(frames[1]), protocol.Ping)
+
+
+def test_messages_queued_in_one_turn_leave_as_one_message_in_order() -> None:
+    async def scenario() -> list[bytes]:
+        ctx = zmq.asyncio.Context()
+        link_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        address = f"tcp://127.0.0.1:{free_port()}"
+        router = ctx.socket(zmq.ROUTER)
+        router.bind(address)
+        connected = asyncio.Event()
+        link = WorkerLink(
+            link_ctx,
+            address,
+            b"gw-test",
+            lambda _link, _message: None,
+            on_connect=lambda _link: connected.set(),
+        )
+        link.start()
+        await asyncio.wait_for(connected.wait(), 5)
+        for n in range(3):
+            link.send(protocol.Abort(request_ids=[f"r{n}"]))
+        frames = await asyncio.wait_for(router.recv_multipart(), 5)
+        router.close(0)
+        await link.close()
+        link_ctx.term()
+        ctx.term()
+        return frames
+
+    frames = run(scenario)
+    decode = protocol.worker_decoder().decode
+    assert frames[0] == b"gw-test"
+    assert [decode(body) for body in frames[1:]] == [
+        protocol.Abort(request_ids=[f"r{n}"]) for n in range(3)
+    ]

@@ -118,7 +118,7 @@ Connect = Callable[[str, "keys.CurveClient | None"], Gateway]
 async def connect() -> AsyncIterator[Connect]:
     """Opens gateway links that say hello on their handshake, as the pool's do;
     closes them all afterwards, even when a test fails."""
-    ctx = zmq.asyncio.Context()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     opened: list[WorkerLink] = []
 
     def open_link(address: str, curve: keys.CurveClient | None) -> Gateway:
