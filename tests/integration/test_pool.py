@@ -221,6 +221,26 @@ def test_metrics_count_requests_and_tokens(served: Served) -> None:
     assert metric(served.base_url, "llmgate_requests_in_flight") == 0
 
 
+def test_requests_for_unserved_models_share_one_metrics_label(served: Served) -> None:
+    # A client chooses the model name: each new one must not become a series.
+    names = [f"no-such-model-{n}" for n in range(3)]
+    for name in names:
+        response = httpx.post(
+            f"{served.base_url}/v1/completions", json={"model": name, "prompt": "Hi"}, timeout=10
+        )
+        assert response.status_code == 404
+    text = httpx.get(f"{served.base_url}/metrics", timeout=5).text
+    assert not any(name in text for name in names)
+    unknown = metric(
+        served.base_url,
+        "llmgate_requests_total",
+        model="unknown",
+        route="/v1/completions",
+        status="404",
+    )
+    assert unknown is not None and unknown >= 3
+
+
 @pytest.mark.gateway_flags("--processes", "2")
 def test_several_gateway_processes_share_the_port_and_the_metrics(gateway: Served) -> None:
     launcher = psutil.Process(gateway.proc.pid)
