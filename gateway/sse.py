@@ -170,7 +170,7 @@ class Completion(ResponseBuilder):
     def _top(self, token: protocol.TokenLogprob) -> dict[str, float]:
         # The N most likely tokens, plus the sampled one even when it is not
         # among them, as vLLM reports it.
-        top = dict(token.top[: self.top_n or 0])
+        top = {t.token: t.logprob for t in token.top[: self.top_n or 0]}
         top.setdefault(token.token, token.logprob)
         return top
 
@@ -181,8 +181,12 @@ class Completion(ResponseBuilder):
             return None
         return [
             {
-                str(tid): {"logprob": logprob, "rank": rank, "decoded_token": text}
-                for tid, (text, logprob), rank in zip(t.top_ids, t.top, t.top_ranks, strict=False)
+                str(top.token_id): {
+                    "logprob": top.logprob,
+                    "rank": top.rank,
+                    "decoded_token": top.token,
+                }
+                for top in t.top
             }
             if t.scored
             else None
@@ -263,8 +267,12 @@ class Chat(ResponseBuilder):
                     "logprob": t.logprob,
                     "bytes": list(t.token.encode()),
                     "top_logprobs": [
-                        {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
-                        for tok, lp in t.top[: self.top_n]
+                        {
+                            "token": top.token,
+                            "logprob": top.logprob,
+                            "bytes": list(top.token.encode()),
+                        }
+                        for top in t.top[: self.top_n]
                     ],
                 }
                 for t in tokens

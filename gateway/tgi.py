@@ -191,12 +191,12 @@ def _top_tokens(token: protocol.TokenLogprob, limit: int) -> list[dict[str, Any]
     return [
         # Whether an alternative is special is known only for the chosen token.
         {
-            "id": tid,
-            "text": text,
-            "logprob": logprob,
-            "special": token.special and tid == token.token_id,
+            "id": top.token_id,
+            "text": top.token,
+            "logprob": top.logprob,
+            "special": token.special and top.token_id == token.token_id,
         }
-        for tid, (text, logprob) in zip(token.top_ids[:limit], token.top[:limit], strict=False)
+        for top in token.top[:limit]
     ]
 
 

@@ -77,24 +77,31 @@ class Ping(_Message, tag="ping"):
     sent_at: float
 
 
-class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
-    """One generated token with its log-probability and the top alternatives."""
+class TopLogprob(msgspec.Struct, array_like=True, gc=False):
+    """One of the most likely tokens at a position."""
 
     token: str
     logprob: float
-    # (token text, logprob) for the most likely tokens, best first.
-    top: list[tuple[str, float]] = []
+    token_id: int
+    # 1 = most likely, as vLLM reports it.
+    rank: int
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
+    """One generated (or prompt) token with its log-probability and the top alternatives."""
+
+    token: str
+    logprob: float
+    # The most likely tokens at this position, best first.
+    top: list[TopLogprob] = []
     # The token's id and whether it is a special token (TGI's details need them).
     token_id: int = -1
     special: bool = False
-    # The ids of ``top``, in the same order.
-    top_ids: list[int] = []
     # False for a prompt token the model did not score (the first one): OpenAI
     # reports its logprob and top logprobs as null.
     scored: bool = True
-    # Ranks (1 = most likely) of the token and of ``top``, as vLLM reports them.
+    # The token's rank (1 = most likely), as vLLM reports it.
     rank: int = 0
-    top_ranks: list[int] = []
 
 
 class Usage(msgspec.Struct, array_like=True, gc=False):

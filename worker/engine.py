@@ -301,12 +301,15 @@ def _token_logprobs(
             protocol.TokenLogprob(
                 token=_token_text(chosen, token_id),
                 logprob=max(chosen.logprob, _MIN_LOGPROB) if chosen else _MIN_LOGPROB,
-                top=[(_token_text(lp, tid), max(lp.logprob, _MIN_LOGPROB)) for tid, lp in ranked],
+                top=[
+                    protocol.TopLogprob(
+                        _token_text(lp, tid), max(lp.logprob, _MIN_LOGPROB), tid, lp.rank or 0
+                    )
+                    for tid, lp in ranked
+                ],
                 token_id=token_id,
                 special=token_id in special_ids,
-                top_ids=[tid for tid, _ in ranked],
                 rank=(chosen.rank or 0) if chosen else 0,
-                top_ranks=[lp.rank or 0 for _, lp in ranked],
             )
         )
     return out

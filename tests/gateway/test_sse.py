@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from gateway import sse
-from shared.protocol import Delta, TokenLogprob, Usage
+from shared.protocol import Delta, TokenLogprob, TopLogprob, Usage
 
 
 def decode_event(data: bytes) -> dict:
@@ -66,9 +66,9 @@ def test_usage_chunk_has_no_choices() -> None:
 
 def test_completion_logprobs_offsets_continue_across_chunks() -> None:
     builder = sse.Completion("abc", "m", 1, logprobs=1)
-    lp = [TokenLogprob("He", -0.5, [("He", -0.5), ("Ha", -1.0)])]
+    lp = [TokenLogprob("He", -0.5, [TopLogprob("He", -0.5, 1, 1), TopLogprob("Ha", -1.0, 2, 2)])]
     first = decode_event(builder.chunk(Delta("abc", 0, "He", 1, lp)))
-    lp2 = [TokenLogprob("llo", -0.2, [("y", -0.1)])]
+    lp2 = [TokenLogprob("llo", -0.2, [TopLogprob("y", -0.1, 3, 1)])]
     second = decode_event(builder.chunk(Delta("abc", 0, "llo", 1, lp2)))
     assert first["choices"][0]["logprobs"]["text_offset"] == [0]
     assert second["choices"][0]["logprobs"]["text_offset"] == [2]
@@ -79,7 +79,14 @@ def test_completion_logprobs_offsets_continue_across_chunks() -> None:
 def test_chat_logprobs_have_bytes_and_top_n() -> None:
     builder = sse.Chat("abc", "m", 1, logprobs=True, top_logprobs=1)
     builder.add(
-        Delta("abc", 0, "é", 1, [TokenLogprob("é", -0.1, [("é", -0.1), ("e", -3.0)])], "stop")
+        Delta(
+            "abc",
+            0,
+            "é",
+            1,
+            [TokenLogprob("é", -0.1, [TopLogprob("é", -0.1, 4, 1), TopLogprob("e", -3.0, 5, 2)])],
+            "stop",
+        )
     )
     body = msgspec.json.decode(builder.body(Usage(1, 1)))
     content = body["choices"][0]["logprobs"]["content"]

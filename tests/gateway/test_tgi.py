@@ -104,7 +104,10 @@ def test_errors_take_tgis_shape_and_status() -> None:
 
 def token(text: str, token_id: int) -> protocol.TokenLogprob:
     return protocol.TokenLogprob(
-        token=text, logprob=-0.5, token_id=token_id, top=[(text, -0.5)], top_ids=[token_id]
+        token=text,
+        logprob=-0.5,
+        token_id=token_id,
+        top=[protocol.TopLogprob(text, -0.5, token_id, 1)],
     )
 
 

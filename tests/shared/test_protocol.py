@@ -31,7 +31,18 @@ TO_GATEWAY = [
                 num_tokens=1,
                 finish_reason="stop",
                 stop_reason="\n",
-                logprobs=[protocol.TokenLogprob("lo", -0.1, [("lo", -0.1), ("la", -2.0)])],
+                logprobs=[
+                    protocol.TokenLogprob(
+                        "lo",
+                        -0.1,
+                        [
+                            protocol.TopLogprob("lo", -0.1, 7, 1),
+                            protocol.TopLogprob("la", -2.0, 8, 2),
+                        ],
+                        token_id=7,
+                        rank=1,
+                    )
+                ],
             ),
             protocol.Delta(request_id="r1", index=0, usage=protocol.Usage(5, 2)),
         ]
