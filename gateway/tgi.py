@@ -21,9 +21,12 @@ Parameter mapping, as TGI defines them:
   (``{"type": "json"|"regex", "value": ...}``) -> vLLM's
   ``structured_outputs``, ``top_n_tokens`` -> ``logprobs``.
 * ``return_full_text`` prepends the prompt to ``generated_text``.
+* ``decoder_input_details`` (with ``details``, on ``/generate``) asks the
+  worker for the prompt's tokens and their logprobs (completions' ``echo``
+  with ``logprobs``) and reports them as ``details.prefill``, the first
+  token's logprob null; TGI refuses it when streaming, and so do we.
 * Refused with a validation error (422) because vLLM cannot do them:
-  ``typical_p``, ``watermark``, ``decoder_input_details`` (prompt token
-  logprobs), ``best_of`` above 1, ``adapter_id``.
+  ``typical_p``, ``watermark``, ``best_of`` above 1, ``adapter_id``.
 
 Errors use TGI's body ``{"error": ..., "error_type": ...}``; a bad request
 is 422, as TGI answers it.
@@ -100,7 +103,6 @@ def check_supported(params: GenerateParameters) -> None:
     unsupported = [
         ("typical_p", params.typical_p is not None and params.typical_p < 1.0),
         ("watermark", params.watermark),
-        ("decoder_input_details", params.decoder_input_details),
         ("best_of", params.best_of is not None and params.best_of > 1),
         ("adapter_id", params.adapter_id is not None),
     ]
@@ -146,6 +148,14 @@ def to_completion(request: GenerateRequest, model: str, stream: bool) -> dict[st
     if stream or params.details:
         # Every TGI token event and detail carries the token's id and logprob.
         raw["logprobs"] = params.top_n_tokens or 0
+    if params.decoder_input_details:
+        if stream:
+            raise errors.BadRequest(
+                "`decoder_input_details` is not supported when streaming tokens.",
+                "decoder_input_details",
+            )
+        if params.details:
+            raw["echo"] = True  # the prompt's tokens, scored: details.prefill
     return raw
 
 
@@ -184,6 +194,15 @@ def _token(token: protocol.TokenLogprob) -> dict[str, Any]:
         "text": token.token,
         "logprob": token.logprob,
         "special": token.special,
+    }
+
+
+def _prefill_token(token: protocol.TokenLogprob) -> dict[str, Any]:
+    # TGI's InputToken: the first prompt token has no logprob.
+    return {
+        "id": token.token_id,
+        "text": token.token,
+        "logprob": token.logprob if token.scored else None,
     }
 
 
@@ -231,14 +250,16 @@ class TgiBuilder(sse.ResponseBuilder):
 
     def body(self, usage: protocol.Usage) -> bytes:
         choice = self.choices[0]
-        payload: dict[str, Any] = {"generated_text": self.prefix + "".join(choice.text)}
+        # With decoder_input_details the worker echoed the prompt first: not generated.
+        generated = "".join(choice.text)[len(choice.echo) :]
+        payload: dict[str, Any] = {"generated_text": self.prefix + generated}
         if self.details:
             tokens = choice.logprobs
             payload["details"] = {
                 "finish_reason": finish_reason(choice.finish_reason, choice.stop_reason),
                 "generated_tokens": usage.completion_tokens,
                 "seed": self.seed,
-                "prefill": [],
+                "prefill": [_prefill_token(t) for t in choice.echo_logprobs],
                 "tokens": [_token(t) for t in tokens],
                 "top_tokens": [_top_tokens(t, self.top_n) for t in tokens] if self.top_n else [],
             }

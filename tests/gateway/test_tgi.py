@@ -74,7 +74,6 @@ def test_streams_ask_for_token_logprobs_top_n_included() -> None:
     [
         {"typical_p": 0.5},
         {"watermark": True},
-        {"decoder_input_details": True},
         {"best_of": 2},
         {"adapter_id": "lora"},
     ],
@@ -83,6 +82,14 @@ def test_what_vllm_cannot_do_is_refused_by_name(parameters: dict[str, object]) -
     with pytest.raises(errors.BadRequest) as info:
         tgi.check_supported(request(**parameters).parameters)
     assert info.value.param == next(iter(parameters))
+
+
+def test_decoder_input_details_echo_the_prompt_and_are_refused_when_streaming() -> None:
+    asked = request(details=True, decoder_input_details=True)
+    assert tgi.to_completion(asked, "m", stream=False)["echo"] is True
+    with pytest.raises(errors.BadRequest) as info:
+        tgi.to_completion(asked, "m", stream=True)
+    assert info.value.param == "decoder_input_details"
 
 
 @pytest.mark.parametrize(

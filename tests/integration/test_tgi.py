@@ -172,7 +172,6 @@ def test_compat_route_answers_a_list(base_url: str) -> None:
         ({"temperature": 0}, "temperature"),
         ({"typical_p": 0.5}, "typical_p"),
         ({"watermark": True}, "watermark"),
-        ({"decoder_input_details": True}, "decoder_input_details"),
         ({"max_new_tokens": "many"}, "max_new_tokens"),
         ({"stop": ["a"] * 17}, "max-stop-sequences"),
     ],
@@ -185,6 +184,51 @@ def test_bad_parameters_get_tgi_validation_errors(
     body = response.json()
     assert body["error_type"] == "validation"
     assert named in body["error"]
+
+
+def test_decoder_input_details_score_the_prompt_as_the_completions_echo_does(
+    base_url: str, client: text_generation.Client
+) -> None:
+    parameters = {"max_new_tokens": 4, "details": True, "decoder_input_details": True}
+    response = generate(base_url, {"inputs": COUNTING, "parameters": parameters})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    prefill = body["details"]["prefill"]
+    echo = httpx.post(
+        f"{base_url}/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": COUNTING,
+            "max_tokens": 4,
+            "temperature": 0,
+            "echo": True,
+            "logprobs": 0,
+        },
+        timeout=120,
+    ).json()["choices"][0]
+    prompt_tokens = len(prefill)
+    assert prompt_tokens > 1
+    # The prompt's tokens, their texts and scores: the first one unscored.
+    assert [t["text"] for t in prefill] == echo["logprobs"]["tokens"][:prompt_tokens]
+    assert [t["logprob"] for t in prefill] == echo["logprobs"]["token_logprobs"][:prompt_tokens]
+    assert prefill[0]["logprob"] is None
+    assert all(isinstance(t["id"], int) for t in prefill)
+    # The generated text is only what was generated, not the echoed prompt.
+    assert body["generated_text"] == echo["text"][len(COUNTING) :]
+    assert len(body["details"]["tokens"]) == 4
+    # TGI's own client parses it (its InputToken allows a null logprob).
+    details = client.generate(COUNTING, max_new_tokens=4, decoder_input_details=True).details
+    assert [t.text for t in details.prefill] == [t["text"] for t in prefill]
+
+
+def test_decoder_input_details_are_refused_when_streaming(base_url: str) -> None:
+    response = httpx.post(
+        f"{base_url}/generate_stream",
+        json={"inputs": "Hi", "parameters": {"details": True, "decoder_input_details": True}},
+        timeout=120,
+    )
+    assert response.status_code == 422
+    assert "decoder_input_details" in response.json()["error"]
 
 
 def test_empty_inputs_are_refused(base_url: str, client: text_generation.Client) -> None:

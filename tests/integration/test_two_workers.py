@@ -152,7 +152,12 @@ def test_sigterm_on_a_worker_drains_it(two: Served) -> None:
     assert all(r.json()["usage"]["completion_tokens"] == 40 for r in running)
     assert served_by(later) == {addresses[1]: 4}
     draining.wait(timeout=60)  # not our child: psutil cannot read its exit code...
-    assert "worker-0 exited with 0" in two.log_path.read_text()  # ...the launcher can
+    # ...the launcher can, on its next look at its children (every 0.2 s).
+    deadline = time.monotonic() + 10
+    while "worker-0 exited with" not in two.log_path.read_text():
+        assert time.monotonic() < deadline, two.log_tail()
+        time.sleep(0.1)
+    assert "worker-0 exited with 0 " in two.log_path.read_text()
     # The launcher starts it again and it rejoins.
     wait_healthy(two, addresses[0], timeout=240)
 
@@ -239,7 +244,8 @@ def test_killing_a_worker_while_32_clients_stream(two: Served) -> None:
     retries_before = metric(two.base_url, "llmgate_retries_total", reason="worker_lost") or 0
     outcomes, killed_at, detection_s = asyncio.run(run())
     # Every non-streaming request completed in full, some after a retry.
-    assert [r.status_code for r in nonlocal_whole] == [200] * 8
+    failed = [r.text for r in nonlocal_whole if r.status_code != 200]
+    assert not failed, (failed, two.log_tail(40))
     assert all(r.json()["usage"]["completion_tokens"] == 48 for r in nonlocal_whole)
     retried = (metric(two.base_url, "llmgate_retries_total", reason="worker_lost") or 0) - (
         retries_before
