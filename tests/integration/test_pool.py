@@ -46,14 +46,17 @@ def worker_running(served: Served) -> float | None:
     )
 
 
-def wait_for(predicate, timeout: float, interval: float = 0.1) -> float:  # type: ignore[no-untyped-def]
-    """Seconds until ``predicate()`` held; fails the test after ``timeout``."""
+def wait_for(predicate, timeout: float, interval: float = 0.1, show=None) -> float:  # type: ignore[no-untyped-def]
+    """Seconds until ``predicate()`` held; fails the test after ``timeout``.
+
+    ``show``, if given, returns what the failure message should include (a log's tail).
+    """
     started = time.monotonic()
     while time.monotonic() - started < timeout:
         if predicate():
             return time.monotonic() - started
         time.sleep(interval)
-    pytest.fail(f"condition not met within {timeout}s")
+    pytest.fail(f"condition not met within {timeout}s" + (f"\n{show()}" if show else ""))
 
 
 @pytest.fixture
@@ -174,6 +177,8 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(gateway: Served) -> None
 
 
 def test_worker_aborts_the_requests_of_a_vanished_gateway(served: Served, tmp_path: Path) -> None:
+    # Start from an idle worker, so the running count below is this request's.
+    wait_for(lambda: worker_running(served) == 0, timeout=30, show=served.log_tail)
     lone = start_gateway(tmp_path / "gateway.log", served.worker_addresses(1))
     try:
         with httpx.stream(
@@ -181,20 +186,28 @@ def test_worker_aborts_the_requests_of_a_vanished_gateway(served: Served, tmp_pa
         ) as response:
             # Keep the iterator: dropping it would close the stream (a disconnect).
             lines = response.iter_lines()
-            next(lines)
-            wait_for(lambda: (worker_running(served) or 0) >= 1, timeout=5)
+            first = next(lines)
+            assert response.status_code == 200 and '"choices"' in first, first
+            wait_for(lambda: (worker_running(served) or 0) >= 1, timeout=5, show=served.log_tail)
             # The gateway dies without a word: no abort reaches the worker.
             lone.proc.send_signal(signal.SIGKILL)
             lone.proc.wait()
     finally:
         stop_serve(lone)
-    # The worker stops hearing its pings and drops its requests (10 s timeout).
-    wait_for(lambda: worker_running(served) == 0, timeout=20, interval=0.5)
     gateway_id = re.search(r"gateway id (gw-\w+)", lone.log_path.read_text()).group(1)  # type: ignore[union-attr]
-    # It was the silence that ended it (not a disconnect or an abort).
-    assert f"gateway b'{gateway_id}' silent for 10s: aborting 1 requests" in (
-        served.log_path.read_text(errors="replace")
-    ), lone.log_tail(30)
+    # The worker stops hearing its pings (10 s timeout, looked at every second)
+    # and drops the request it was still running for it: not a disconnect or
+    # an abort, and not the request ending on its own (2,000 tokens here take
+    # minutes).
+    silence = f"gateway b'{gateway_id}' silent for 10s: aborting 1 requests"
+    wait_for(
+        lambda: silence in served.log_path.read_text(errors="replace"),
+        timeout=20,
+        interval=0.5,
+        show=served.log_tail,
+    )
+    # Its engine stops running it.
+    wait_for(lambda: worker_running(served) == 0, timeout=5, show=served.log_tail)
 
 
 def test_metrics_count_requests_and_tokens(served: Served) -> None:
