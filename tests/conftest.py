@@ -53,6 +53,18 @@ class Served:
         text = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(text[-lines:])
 
+    def wait_for_log(self, text: str, timeout: float = 10) -> str:
+        """The log once ``text`` is in it; fails, showing the log's tail, after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            log = self.log_path.read_text(errors="replace")
+            if text in log:
+                return log
+            if time.monotonic() > deadline:
+                tail = self.log_tail()
+                raise AssertionError(f"{text!r} not in the log within {timeout}s:\n{tail}")
+            time.sleep(0.2)
+
 
 def start_serve(
     log_path: Path, *extra: str, env: dict[str, str] | None = None, num_workers: int = 1

@@ -110,16 +110,6 @@ def assert_never_healthy(gateway: Served) -> None:
     assert response.status_code == 503, response.text
 
 
-def wait_for_log(served: Served, text: str, timeout: float = 10) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        log = served.log_path.read_text(errors="replace")
-        if text in log:
-            return log
-        time.sleep(0.2)
-    raise AssertionError(f"{text!r} not in the log:\n{served.log_tail()}")
-
-
 def chat(base_url: str) -> httpx.Response:
     return httpx.post(
         f"{base_url}/v1/chat/completions",
@@ -168,9 +158,9 @@ def test_a_gateway_with_an_unknown_key_never_becomes_healthy(
     try:
         assert_never_healthy(gateway)
         stranger_key = keys.load_keypair(key_files.stranger_secret)[0].decode()
-        worker_log = wait_for_log(curve_served, "ZAP denied a client")
+        worker_log = curve_served.wait_for_log("ZAP denied a client")
         assert stranger_key in worker_log
-        wait_for_log(gateway, "refused this gateway's CURVE key")
+        gateway.wait_for_log("refused this gateway's CURVE key")
     finally:
         stop_serve(gateway)
 
@@ -179,7 +169,7 @@ def test_a_plaintext_gateway_never_becomes_healthy(curve_served: Served, tmp_pat
     gateway = start_unready_gateway(tmp_path / "gateway.log", curve_served.worker_addresses())
     try:
         assert_never_healthy(gateway)
-        wait_for_log(curve_served, "a client failed the handshake")
+        curve_served.wait_for_log("a client failed the handshake")
     finally:
         stop_serve(gateway)
 

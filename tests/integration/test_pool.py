@@ -199,13 +199,7 @@ def test_worker_aborts_the_requests_of_a_vanished_gateway(served: Served, tmp_pa
     # and drops the request it was still running for it: not a disconnect or
     # an abort, and not the request ending on its own (2,000 tokens here take
     # minutes).
-    silence = f"gateway b'{gateway_id}' silent for 10s: aborting 1 requests"
-    wait_for(
-        lambda: silence in served.log_path.read_text(errors="replace"),
-        timeout=20,
-        interval=0.5,
-        show=served.log_tail,
-    )
+    served.wait_for_log(f"gateway b'{gateway_id}' silent for 10s: aborting 1 requests", timeout=20)
     # Its engine stops running it.
     wait_for(lambda: worker_running(served) == 0, timeout=5, show=served.log_tail)
 

@@ -153,11 +153,7 @@ def test_sigterm_on_a_worker_drains_it(two: Served) -> None:
     assert served_by(later) == {addresses[1]: 4}
     draining.wait(timeout=60)  # not our child: psutil cannot read its exit code...
     # ...the launcher can, on its next look at its children (every 0.2 s).
-    deadline = time.monotonic() + 10
-    while "worker-0 exited with" not in two.log_path.read_text():
-        assert time.monotonic() < deadline, two.log_tail()
-        time.sleep(0.1)
-    assert "worker-0 exited with 0 " in two.log_path.read_text()
+    assert "worker-0 exited with 0 " in two.wait_for_log("worker-0 exited with")
     # The launcher starts it again and it rejoins.
     wait_healthy(two, addresses[0], timeout=240)
 
