@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp
 
 from gateway import errors, metrics, openapi
-from gateway.api import auth, direct, health, openai
+from gateway.api import auth, direct, health, openai, request_ids
 from gateway.api import tgi as tgi_routes
 from gateway.pool import Pool
 from shared.settings import GatewaySettings
@@ -26,13 +26,19 @@ log = logging.getLogger(__name__)
 def create_app_from_environment() -> ASGIApp:
     """The app with settings from ``LLMGATE_*`` variables (uvicorn's factory)."""
     from shared import settings
+    from shared.logs import setup_logging
 
-    return create_app(settings.from_environment(GatewaySettings))
+    gateway = settings.from_environment(GatewaySettings)
+    # uvicorn's extra processes (--processes) start with no logging set up.
+    if not logging.getLogger().handlers:
+        setup_logging(gateway.log_level, gateway.log_format)
+    return create_app(gateway)
 
 
 def create_app(settings: GatewaySettings) -> ASGIApp:
-    """The ASGI stack: the API-key check (when keys are set), then the API's
-    POST routes served directly (:mod:`gateway.api.direct`), then FastAPI."""
+    """The ASGI stack: request ids (:mod:`gateway.api.request_ids`), the API-key
+    check (when keys are set), then the API's POST routes served directly
+    (:mod:`gateway.api.direct`), then FastAPI."""
     api = create_api(settings)
     app: ASGIApp = direct.DirectRoutes(
         api, direct.post_endpoints([openai.router, tgi_routes.router])
@@ -40,7 +46,7 @@ def create_app(settings: GatewaySettings) -> ASGIApp:
     api_keys = auth.load_api_keys(settings)
     if api_keys:
         app = auth.ApiKeyMiddleware(app, keys=api_keys, protect_metrics=settings.protect_metrics)
-    return app
+    return request_ids.RequestIds(app)
 
 
 def create_api(settings: GatewaySettings) -> FastAPI:

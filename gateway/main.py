@@ -40,7 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     namespace = build_parser().parse_args(argv)
     gateway = settings.from_namespace(settings.GatewaySettings, namespace)
-    setup_logging(gateway.log_level)
+    try:
+        setup_logging(gateway.log_level, gateway.log_format)
+    except ValueError as exc:
+        raise SystemExit(f"llmgate gateway: {exc}") from None
     from gateway.policies import POLICY_NAMES
 
     if gateway.policy not in POLICY_NAMES:
@@ -68,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
             loop="uvloop",
             http="httptools",
             log_level=gateway.log_level,
+            # uvicorn's lines go through our handler (and format) too.
+            log_config=None,
             access_log=False,
             # Nothing here reads the client's address or scheme, so uvicorn's
             # X-Forwarded-* rewriting would be work on every request for nothing.

@@ -125,15 +125,46 @@ def check_limits(body: _Sampling, settings: GatewaySettings) -> None:
         )
 
 
+# Deepest nesting of arrays and objects a body may have. Deeper input would
+# exhaust the recursion of the decoders and encoders on its way (ours,
+# msgpack's, vLLM's pydantic models); no real request comes near it.
+MAX_JSON_DEPTH = 64
+_TOO_DEEP = f"The request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep."
+
+
 def decode_body(body: bytes) -> dict[str, Any]:
     """The JSON object in ``body``; 400 for anything else."""
     try:
         value = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         raise BadRequest(f"The request body is not valid JSON: {exc}") from exc
+    except UnicodeDecodeError as exc:  # msgspec checks UTF-8 only inside strings
+        raise BadRequest(f"The request body is not valid UTF-8: {exc.reason}.") from None
+    except RecursionError:
+        raise BadRequest(_TOO_DEEP) from None
     if not isinstance(value, dict):
         raise BadRequest("The request body must be a JSON object.")
+    # Counting brackets is cheap and over-counts (strings hold some): only a
+    # body with more of them than the bound can be too deep, so only such a
+    # body is walked.
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and _too_deep(value):
+        raise BadRequest(_TOO_DEEP)
     return value
+
+
+def _too_deep(value: Any) -> bool:
+    """Whether ``value`` nests containers more than ``MAX_JSON_DEPTH`` deep."""
+    level: list[Any] = [value]
+    for _ in range(MAX_JSON_DEPTH):
+        level = [
+            child
+            for container in level
+            for child in (container.values() if isinstance(container, dict) else container)
+            if isinstance(child, dict | list)
+        ]
+        if not level:
+            return False
+    return True
 
 
 def validate(raw: dict[str, Any], schema: type[T]) -> T:

@@ -103,6 +103,9 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
         str, _help("the workers' CURVE public key file (NAME.key); every worker has this key")
     ] = ""
     log_level: Annotated[str, _help("log level: debug, info, warning, error")] = "info"
+    log_format: Annotated[
+        str, _help("log line format: text, or json (one object per line, with request_id)")
+    ] = "text"
 
 
 class WorkerSettings(msgspec.Struct, kw_only=True):
@@ -142,6 +145,9 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
         str,
         _help("directory of the public key files (*.key) of the gateways this worker accepts"),
     ] = ""
+    log_format: Annotated[
+        str, _help("log line format: text, or json (one object per line, with request_id)")
+    ] = "text"
     # The log level is vLLM's own --log-level flag (DEBUG, INFO, ...).
 
 
@@ -162,6 +168,9 @@ class ServeSettings(msgspec.Struct, kw_only=True):
         float, _help("upper bound in seconds of the backoff between worker restarts")
     ] = 30.0
     log_level: Annotated[str, _help("log level: debug, info, warning, error")] = "info"
+    log_format: Annotated[
+        str, _help("log line format: text, or json (one object per line, with request_id)")
+    ] = "text"
 
 
 S = TypeVar("S", bound=msgspec.Struct)

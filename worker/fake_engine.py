@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
 
     namespace = build_parser().parse_args(argv)
     worker_settings = settings.from_namespace(settings.WorkerSettings, namespace)
-    setup_logging(namespace.log_level)
+    setup_logging(namespace.log_level, worker_settings.log_format)
     engine = FakeEngine(
         [namespace.served_model_name],
         tokens=namespace.tokens,

@@ -146,6 +146,8 @@ def _worker_child(
         f"worker-{index}",
         "--log-level",
         serve.log_level.upper(),
+        "--log-format",
+        serve.log_format,
     ]
     if serve.worker_metrics_port:
         argv += ["--metrics-port", str(serve.worker_metrics_port + index)]
@@ -167,6 +169,8 @@ def _gateway_child(serve: settings.ServeSettings, num_workers: int) -> Child:
         str(serve.port),
         "--log-level",
         serve.log_level,
+        "--log-format",
+        serve.log_format,
     ]
     return Child(name="gateway", argv=argv, env=dict(os.environ))
 
@@ -318,7 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     namespace, engine_args = build_parser().parse_known_args(argv)
     serve = settings.from_namespace(settings.ServeSettings, namespace)
-    setup_logging(serve.log_level)
+    try:
+        setup_logging(serve.log_level, serve.log_format)
+    except ValueError as exc:
+        sys.exit(f"llmgate serve: {exc}")
     workers = plan_workers(serve, engine_args)
     children = [*workers, _gateway_child(serve, len(workers))]
     sys.exit(Supervisor(serve, children).run())

@@ -60,7 +60,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     namespace = parser.parse_args(argv)
     worker_settings = settings.from_namespace(settings.WorkerSettings, namespace)
-    setup_logging(getattr(namespace, "log_level", None) or "info")
+    try:
+        setup_logging(namespace.log_level or "info", worker_settings.log_format)
+    except ValueError as exc:
+        sys.exit(f"llmgate worker: {exc}")
     _check_keys(worker_settings)
     apply_embedded_model_defaults(namespace)
 

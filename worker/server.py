@@ -25,7 +25,7 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
-from shared import keys, protocol
+from shared import keys, logs, protocol
 from shared.settings import WorkerSettings
 from shared.zmqio import Reader
 from worker.engine import Engine
@@ -35,12 +35,6 @@ log = logging.getLogger(__name__)
 
 # Identity frame of the gateway a request came from.
 Identity = bytes
-
-
-@dataclass
-class _Running:
-    identity: Identity
-    task: asyncio.Task[None]
 
 
 @dataclass
@@ -63,7 +57,9 @@ class WorkerServer:
         self.reader: Reader[list[bytes]] = Reader(self.raw, self._on_frames, multipart=True)
         self.encoder = protocol.encoder()
         self.decoder = protocol.worker_decoder()
-        self.requests: dict[str, _Running] = {}
+        # By gateway and request id: two gateways may send the same id (a
+        # client's X-Request-Id), and each aborts only its own.
+        self.requests: dict[tuple[Identity, str], asyncio.Task[None]] = {}
         self.gateways: dict[Identity, _Gateway] = {}
         self._flush_scheduled = False
         self.draining = False
@@ -100,8 +96,8 @@ class WorkerServer:
             self.reader.stop()
             for task in tasks:
                 task.cancel()
-            for running in list(self.requests.values()):
-                running.task.cancel()
+            for task in list(self.requests.values()):
+                task.cancel()
             # Let the cancelled requests send their abort to the engine.
             await asyncio.sleep(0)
             if authenticator is not None:
@@ -128,7 +124,7 @@ class WorkerServer:
         beat = self._heartbeat()
         for identity in self.gateways:
             self._send(identity, beat)
-        running = [r.task for r in self.requests.values()]
+        running = list(self.requests.values())
         if running:
             await asyncio.wait(running, timeout=self.settings.drain_timeout)
         if self.requests:
@@ -160,11 +156,12 @@ class WorkerServer:
                 self._start(identity, message)
             elif isinstance(message, protocol.Abort):
                 for request_id in message.request_ids:
-                    self._cancel(request_id)
+                    self._cancel(identity, request_id, "its gateway asked")
             # Ping only refreshes last_seen.
 
     def _start(self, identity: Identity, message: protocol.Generate) -> None:
-        if message.request_id in self.requests:
+        key = (identity, message.request_id)
+        if key in self.requests:
             self._fail(identity, message.request_id, 400, "duplicate request id")
             return
         if message.model not in self.engine.served_model_names:
@@ -181,17 +178,23 @@ class WorkerServer:
             self._fail(identity, message.request_id, 503, "worker is draining")
             return
         task = asyncio.create_task(self._run(identity, message), name=message.request_id)
-        self.requests[message.request_id] = _Running(identity, task)
+        self.requests[key] = task
 
-    def _cancel(self, request_id: str) -> None:
-        running = self.requests.get(request_id)
-        if running is not None:
-            running.task.cancel()
+    def _cancel(self, identity: Identity, request_id: str, why: str) -> None:
+        task = self.requests.get((identity, request_id))
+        if task is not None:
+            with logs.for_request(request_id):
+                log.info("aborting the request: %s", why)
+            task.cancel()
 
     # -- running one request ----------------------------------------------
 
     async def _run(self, identity: Identity, message: protocol.Generate) -> None:
         request_id = message.request_id
+        # Every log line about this request carries its id (shared.logs); the
+        # task has its own copy of the context, so this ends with the task.
+        logs.request_id.set(request_id)
+        log.debug("running a %s request for %r", message.kind, identity)
         try:
             prompts = await self.engine.prepare(message.kind, message.params)
             timeout = message.deadline - time.time() if message.deadline else None
@@ -214,7 +217,7 @@ class WorkerServer:
                 log.exception("request %s failed", request_id)
             self._fail(identity, request_id, status, text, param)
         finally:
-            self.requests.pop(request_id, None)
+            self.requests.pop((identity, request_id), None)
 
     # -- sending -----------------------------------------------------------
 
@@ -285,7 +288,7 @@ class WorkerServer:
 
     def _forget_gateway(self, identity: Identity) -> None:
         """The gateway is gone: nobody will read its requests' output, so abort them."""
-        orphans = [rid for rid, r in self.requests.items() if r.identity == identity]
+        orphans = [rid for (gateway, rid) in self.requests if gateway == identity]
         log.warning(
             "gateway %r silent for %.0fs: aborting %d requests",
             identity,
@@ -293,7 +296,7 @@ class WorkerServer:
             len(orphans),
         )
         for request_id in orphans:
-            self._cancel(request_id)
+            self._cancel(identity, request_id, "its gateway went silent")
         del self.gateways[identity]
 
 

@@ -19,6 +19,7 @@ responses see it as cancellation, non-streaming ones watch for the ASGI
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -30,16 +31,16 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from gateway import errors, metrics, schemas, sse
-from gateway.pool import Pool, RequestHandle, WorkerLost, WorkerState
+from gateway.api.request_ids import request_id_of
+from gateway.handle import RequestHandle, WorkerLost
+from gateway.pool import Pool
+from gateway.workers import WorkerState
 from shared import protocol
 
 log = logging.getLogger(__name__)
 
 JSON = "application/json"
 
-# Put in a request's queue by its deadline timer (one per attempt: cheaper
-# than a timeout scope around every delta).
-_EXPIRED = WorkerLost("deadline passed")
 # How long a non-streaming request runs before a task watches for its client leaving.
 DISCONNECT_GRACE = 0.02
 TIMEOUT_HEADER = b"x-request-timeout"
@@ -123,11 +124,12 @@ class Call:
 
     def __post_init__(self) -> None:
         self.pool = pool_of(self.request)
+        self.request_id = request_id_of(self.request.scope)
         self.started = time.monotonic()
         self.deadline = _deadline(self.request, self.pool.settings.request_timeout)
         self.tried: set[WorkerState] = set()
         self.builder.include_usage = self.body.include_usage
-        self.status = 200
+        self._done = False  # counted in the metrics (_finish)
 
     async def serve(self, key_of: Callable[[int], str]) -> Response:
         settings = self.pool.settings
@@ -135,27 +137,40 @@ class Call:
         if self.pool.policy.uses_key:
             session = header(self.request, SESSION_HEADER) or self.body.user
             key = session if session else key_of(settings.prefix_chars)
+        # Until the response starts, a client that leaves cancels this task:
+        # waiting in the queue, for its worker, or for the first token.
+        watch = DisconnectWatch(self.request)
         try:
             if self.body.stream:
                 return await self._start_stream(key)
             return await self._complete(key)
+        except asyncio.CancelledError:
+            if not watch.disconnected:
+                raise
+            watch.task.uncancel()
+            log.info("client disconnected before the response started")
+            self._finish(499)  # nginx's "client closed request"
+            return Response(status_code=499)
         except errors.GatewayError as exc:
             self._finish(exc.status)
             raise
+        finally:
+            watch.stop()
 
     # -- attempts ------------------------------------------------------------
 
     async def _submit(self, key: str | None) -> RequestHandle:
         handle = await self.pool.submit(
-            self.kind, self.body.model, self.raw, self.deadline, key, exclude=self.tried
+            self.request_id,
+            self.kind,
+            self.body.model,
+            self.raw,
+            self.deadline,
+            key,
+            exclude=self.tried,
         )
         self.builder.id = self.builder.id_prefix + handle.request_id
         self.builder.system_fingerprint = handle.worker.system_fingerprint
-        if self.deadline:
-            timer = asyncio.get_running_loop().call_later(
-                self.deadline - time.time(), handle.queue.put_nowait, _EXPIRED
-            )
-            handle.on_close = timer.cancel
         return handle
 
     def _retry_or_raise(self, handle: RequestHandle, item: WorkerLost | protocol.Failed) -> None:
@@ -166,44 +181,31 @@ class Call:
             raise errors.from_status(item.status, item.message, item.param)
         self.tried.add(handle.worker)
         reason = "worker_lost" if isinstance(item, WorkerLost) else "worker_draining"
+        message = item.reason if isinstance(item, WorkerLost) else item.message
         if len(self.tried) > self.pool.settings.max_retries:
-            message = item.reason if isinstance(item, WorkerLost) else item.message
             raise errors.UpstreamFailed(
                 f"The request failed on {len(self.tried)} workers; last: {message}."
             )
         metrics.RETRIES.labels(reason).inc()
-        log.info("retrying request %s elsewhere (%s)", handle.request_id, reason)
-
-    async def _next(self, handle: RequestHandle) -> protocol.Delta | protocol.Failed | WorkerLost:
-        return _unless_expired(await handle.next())
+        log.info("retrying on another worker: %s on %s", message, handle.worker.address)
 
     # -- non-streaming -------------------------------------------------------
 
     async def _complete(self, key: str | None) -> Response:
-        watch = DisconnectWatch(self.request)
-        try:
-            while True:
-                handle = await self._submit(key)
-                try:
-                    outcome = await self._collect(handle)
-                finally:
-                    handle.close()
-                if isinstance(outcome, Response):
-                    return outcome
-                self._retry_or_raise(handle, outcome)
-                self.builder.reset()
-        except asyncio.CancelledError:
-            if not watch.disconnected:
-                raise
-            watch.task.uncancel()
-            self._finish(499)  # nginx's "client closed request"
-            return Response(status_code=499)
-        finally:
-            watch.stop()
+        while True:
+            handle = await self._submit(key)
+            try:
+                outcome = await self._collect(handle)
+            finally:
+                handle.close()
+            if isinstance(outcome, Response):
+                return outcome
+            self._retry_or_raise(handle, outcome)
+            self.builder.reset()
 
     async def _collect(self, handle: RequestHandle) -> Response | protocol.Failed | WorkerLost:
         while True:
-            item = await self._next(handle)
+            item = await handle.next()
             if not isinstance(item, protocol.Delta):
                 return item
             if item.usage is not None:
@@ -222,16 +224,16 @@ class Call:
             handle = await self._submit(key)
             first: protocol.Delta | protocol.Failed | WorkerLost | None = None
             try:
-                first = await self._next(handle)
+                first = await handle.next()
                 if isinstance(first, protocol.Delta):
                     break
                 self._retry_or_raise(handle, first)
             finally:
                 if not isinstance(first, protocol.Delta):
                     handle.close()
-        return StreamingResponse(
+        return EventStream(
             self._stream(handle, first),
-            media_type="text/event-stream",
+            release=lambda: self._release_stream(handle),
             headers={
                 "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no",
@@ -239,9 +241,16 @@ class Call:
             },
         )
 
+    def _release_stream(self, handle: RequestHandle) -> None:
+        """The response is over and its generator never ran to its finally
+        (the client left before the first write): abort and count it here."""
+        if not self._done:
+            handle.close()
+            self._finish(499)
+
     async def _stream(self, handle: RequestHandle, first: protocol.Delta) -> AsyncIterator[bytes]:
-        # Runs inside the response: a client that goes away cancels it here, and
-        # the finally clause aborts the request on the worker.
+        # Runs inside the response: a client that goes away cancels it here (or
+        # closes it), and the finally clause aborts the request on the worker.
         include_usage = self.body.include_usage
         item: protocol.Delta | protocol.Failed | WorkerLost = first
         last_chunk = 0.0
@@ -249,7 +258,6 @@ class Call:
         usage = None
         model = self.body.model
         itl = metrics.child(metrics.ITL, model)
-        queue = handle.queue
         try:
             while True:
                 if isinstance(item, protocol.Failed):
@@ -260,6 +268,7 @@ class Call:
                     break
                 if isinstance(item, WorkerLost):
                     status = 502
+                    log.warning("stream cut: %s", item.reason)
                     yield self.builder.error_event(
                         errors.UpstreamFailed(f"The stream was cut: {item.reason}.")
                     )
@@ -278,26 +287,20 @@ class Call:
                 # Deltas that queued up meanwhile go out in the same write: one
                 # transport write per batch, not per token, under load.
                 chunks = [self.builder.chunk(item)]
-                waiting: protocol.Delta | protocol.Failed | WorkerLost | None = None
-                while not queue.empty():
-                    waiting = queue.get_nowait()
-                    if not isinstance(waiting, protocol.Delta) or waiting.usage is not None:
-                        break
+                waiting = handle.next_nowait()
+                while isinstance(waiting, protocol.Delta) and waiting.usage is None:
                     chunks.append(self.builder.chunk(waiting))
-                    waiting = None
+                    waiting = handle.next_nowait()
                 yield chunks[0] if len(chunks) == 1 else b"".join(chunks)
                 try:
-                    if waiting is None:
-                        item = await self._next(handle)
-                    else:
-                        item = _unless_expired(waiting)
+                    item = await handle.next() if waiting is None else waiting
                 except errors.GatewayError as exc:
                     status = exc.status
                     yield self.builder.error_event(exc)
                     break
             if self.builder.done:
                 yield self.builder.done
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
             status = 499
             raise
         finally:
@@ -307,6 +310,10 @@ class Call:
     # -- accounting ------------------------------------------------------------
 
     def _finish(self, status: int, usage: protocol.Usage | None = None) -> None:
+        """Count the request once, by its final status."""
+        if self._done:
+            return
+        self._done = True
         route = self.route
         model = self.body.model
         if model not in self.pool.known_models:
@@ -317,14 +324,6 @@ class Call:
         if usage is not None:
             child(metrics.PROMPT_TOKENS, model).inc(usage.prompt_tokens)
             child(metrics.GENERATION_TOKENS, model).inc(usage.completion_tokens)
-
-
-def _unless_expired(
-    item: protocol.Delta | protocol.Failed | WorkerLost,
-) -> protocol.Delta | protocol.Failed | WorkerLost:
-    if item is _EXPIRED:
-        raise errors.Timeout("The request timed out.")
-    return item
 
 
 class DisconnectWatch:
@@ -358,3 +357,31 @@ class DisconnectWatch:
         self._timer.cancel()
         if self._watcher is not None:
             self._watcher.cancel()
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that always lets go of its request.
+
+    Starlette may never start the body generator (the client left between
+    the first token and the response's first write), and then the
+    generator's ``finally`` never runs: ``release`` is called instead, so
+    the request is still aborted on the worker and counted.
+    """
+
+    def __init__(
+        self,
+        body: AsyncIterator[bytes],
+        release: Callable[[], None],
+        headers: dict[str, str],
+    ) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=headers)
+        self.release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            body = self.body_iterator
+            assert isinstance(body, collections.abc.AsyncGenerator)
+            await body.aclose()  # runs the generator's finally if it started
+            self.release()  # else this lets go of the request

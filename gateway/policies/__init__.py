@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from gateway.pool import WorkerState
+    from gateway.workers import WorkerState
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from gateway.policies import RoutingContext, load
 
 if TYPE_CHECKING:
-    from gateway.pool import WorkerState
+    from gateway.workers import WorkerState
 
 
 class LeastLoad:

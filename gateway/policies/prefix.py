@@ -18,7 +18,7 @@ from gateway.policies import RoutingContext, load
 from gateway.policies.least_load import LeastLoad
 
 if TYPE_CHECKING:
-    from gateway.pool import WorkerState
+    from gateway.workers import WorkerState
 
 
 def score(key: str, worker_id: str) -> int:

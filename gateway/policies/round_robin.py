@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from gateway.policies import RoutingContext
 
 if TYPE_CHECKING:
-    from gateway.pool import WorkerState
+    from gateway.workers import WorkerState
 
 
 class RoundRobin:

@@ -13,7 +13,7 @@ from gateway.policies import RoutingContext, load, make_policy
 from gateway.policies.least_load import LeastLoad
 from gateway.policies.prefix import PrefixAffinity
 from gateway.policies.round_robin import RoundRobin
-from gateway.pool import WorkerState
+from gateway.workers import WorkerState
 
 
 def workers(n: int) -> list[WorkerState]:
@@ -29,7 +29,7 @@ def ctx(candidates: list[WorkerState], key: str | None = None) -> RoutingContext
 
 def test_load_is_own_in_flight_plus_other_gateways_requests() -> None:
     (worker,) = workers(1)
-    worker.in_flight, worker.others, worker.waiting, worker.running = 3, 2, 9, 50
+    worker.in_flight, worker.others = 3, 2
     assert load(worker) == 5
 
 
@@ -130,12 +130,12 @@ async def test_a_heartbeat_counts_only_other_gateways_requests() -> None:
 
     pool = Pool(GatewaySettings())
     (worker,) = workers(1)
-    pool.workers[worker.address] = worker
+    pool.workers.by_address[worker.address] = worker
     worker.in_flight = 6
     beat = protocol.Heartbeat("w", "i", ["m"], running=4, waiting=5, capacity=8)
-    pool._on_message(worker.link, beat)
+    pool.workers.on_heartbeat(worker, beat)
     assert worker.others == 3  # 9 on the worker, 6 of them ours
     worker.in_flight = 12  # ours grew since: never negative
-    pool._on_message(worker.link, beat)
+    pool.workers.on_heartbeat(worker, beat)
     assert worker.others == 0
     assert load(worker) == 12

@@ -124,3 +124,23 @@ def test_include_usage_only_when_streaming() -> None:
 def test_decode_body_refuses_anything_but_an_object(body: bytes) -> None:
     with pytest.raises(errors.BadRequest):
         schemas.decode_body(body)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b'{"a": ' + b"[" * 65 + b"]" * 65 + b"}", b"[" * 100_000 + b"]" * 100_000],
+    ids=["just over the bound", "deep enough to exhaust recursion"],
+)
+def test_bodies_nested_too_deep_are_a_400(body: bytes) -> None:
+    with pytest.raises(errors.BadRequest, match="more than 64 levels deep"):
+        schemas.decode_body(body)
+
+
+def test_nesting_up_to_the_bound_is_fine() -> None:
+    inner = b"[" * 63 + b"]" * 63
+    assert schemas.decode_body(b'{"a": ' + inner + b"}")["a"]
+
+
+def test_invalid_utf8_is_a_400() -> None:
+    with pytest.raises(errors.BadRequest, match="not valid UTF-8"):
+        schemas.decode_body(b'{"a": "\xff\xfe"}')

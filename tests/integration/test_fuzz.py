@@ -117,3 +117,60 @@ def test_no_body_gets_a_5xx(
     assert worker_pids(served) == before  # no worker crashed and was restarted
     ready = httpx.get(f"{base_url}/ready", timeout=10).json()
     assert ready["healthy_workers"] == 1
+
+
+def _body(route: str, field: str, value: bytes) -> bytes:
+    """A valid, cheap body for ``route`` with ``field`` set to the raw JSON ``value``."""
+    if route.startswith("/v1/chat"):
+        base = b'{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]'
+    elif route.startswith("/v1/"):
+        base = b'{"model": "%s", "max_tokens": 2, "prompt": "Hi"'
+    else:
+        base = b'{"inputs": "Hi", "parameters": {"max_new_tokens": 2}'
+    if b"%s" in base:
+        base = base % MODEL.encode()
+    return base + b', "' + field.encode() + b'": ' + value + b"}"
+
+
+DEEP = 100_000
+# Shapes that break parsers, each as raw bytes: nothing here may reach a 5xx.
+HOSTILE: dict[str, Any] = {
+    "deeply nested arrays": lambda route: _body(route, "x", b"[" * DEEP + b"]" * DEEP),
+    "deeply nested objects": lambda route: _body(route, "x", b'{"a":' * DEEP + b"1" + b"}" * DEEP),
+    "nesting just over the bound": lambda route: _body(route, "x", b"[" * 65 + b"]" * 65),
+    "a huge integer": lambda route: _body(route, "seed", b"9" * 5000),
+    "a huge float": lambda route: _body(route, "temperature", b"1e999999"),
+    "a huge integer in token ids": lambda route: _body(route, "prompt", b"[" + b"9" * 30 + b"]"),
+    "a huge string": lambda route: _body(route, "user", b'"' + b"a" * 4_000_000 + b'"'),
+    "a huge array": lambda route: _body(route, "stop", b"[" + b'"x",' * 200_000 + b'"x"]'),
+    "invalid UTF-8": lambda route: _body(route, "user", b'"\xff\xfe\xc3\x28"'),
+    "a lone surrogate escape": lambda route: _body(route, "user", b'"\\ud800"'),
+    "duplicate keys": lambda route: _body(route, "max_tokens", b'3, "max_tokens": 2'),
+    "NaN": lambda route: _body(route, "temperature", b"NaN"),
+    "a truncated body": lambda route: _body(route, "x", b"[1, 2")[:-3],
+    "a NUL byte": lambda route: _body(route, "user", b'"a\x00b"'),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+@pytest.mark.parametrize("route", ROUTES)
+def test_hostile_bodies_get_a_clear_4xx_or_an_answer(
+    base_url: str, served: Served, route: str, case: str
+) -> None:
+    before = worker_pids(served)
+    response = httpx.post(
+        f"{base_url}{route}",
+        content=HOSTILE[case](route),
+        headers={"content-type": "application/json"},
+        timeout=120,
+    )
+    assert response.status_code < 500, (case, response.status_code, response.text[:500])
+    if response.status_code >= 400:
+        # A clear message, in the route's dialect (OpenAI's or TGI's body).
+        body = response.json()
+        message = body["error"]["message"] if route.startswith("/v1/") else body["error"]
+        assert message, body
+    if "nest" in case:
+        assert response.status_code in (400, 422), response.text[:500]
+        assert "levels deep" in response.text
+    assert worker_pids(served) == before

@@ -12,13 +12,15 @@ import collections
 import json
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import MODEL, Served, start_gateway, start_serve, stop_serve
+from tests.integration.streams import Stream, read_stream
 from tests.integration.test_pool import metric
 
 pytestmark = pytest.mark.slow
@@ -159,56 +161,45 @@ def test_sigterm_on_a_worker_drains_it(two: Served) -> None:
 
 
 def test_killing_a_worker_while_32_clients_stream(two: Served) -> None:
-    """SIGKILL one worker under 32 streaming clients; report what happened."""
+    """SIGKILL one worker under 32 streaming clients; report what happened.
+
+    Streams are checked token by token (tests.integration.streams): one
+    failure of this test in about twelve runs was a stream with fewer than
+    48 *chunks* and no error. Its tokens were all there: the surviving
+    worker's front end, starved of CPU while the launcher restarted the
+    killed one, fell behind its engine, and vLLM merged several steps'
+    outputs into one chunk (reproduced by pausing a worker's front end:
+    test_pool's test_a_paused_worker_front_end_loses_no_token).
+    """
     addresses = two.worker_addresses(2).split(",")
     victim_address = addresses[1]
-    launcher = psutil.Process(two.proc.pid)
-    victim = next(
-        p
-        for p in launcher.children()
-        if victim_address in " ".join(p.cmdline()) and "worker.main" in p.cmdline()
-    )
+    victim = worker_process(two, victim_address)
 
-    async def stream(client: httpx.AsyncClient, i: int) -> dict:
-        started = time.monotonic()
-        outcome = {"worker": None, "chunks": 0, "error": None, "done": False}
-        try:
-            async with client.stream(
-                "POST",
-                "/v1/completions",
-                json={
-                    "model": MODEL,
-                    "prompt": f"Story {i}:",
-                    "max_tokens": 48,
-                    "ignore_eos": True,
-                    "stream": True,
-                },
-            ) as response:
-                outcome["status"] = response.status_code
-                outcome["worker"] = response.headers.get("x-llmgate-worker")
-                async for line in response.aiter_lines():
-                    if line == "data: [DONE]":
-                        outcome["done"] = True
-                    elif line.startswith("data: "):
-                        payload = json.loads(line[6:])
-                        if "error" in payload:
-                            outcome["error"] = payload["error"]["message"]
-                        else:
-                            outcome["chunks"] += 1
-        except httpx.HTTPError as exc:
-            outcome["error"] = repr(exc)
-        outcome["seconds"] = time.monotonic() - started
-        return outcome
+    streaming_from_victim: list[Stream] = []
+    victim_streams = asyncio.Event()  # set once 4 streams get tokens from the victim
+
+    def started(stream: Stream) -> None:
+        if stream.worker == victim_address:
+            streaming_from_victim.append(stream)
+            if len(streaming_from_victim) >= 4:
+                victim_streams.set()
+
+    async def stream(client: httpx.AsyncClient, i: int) -> tuple[Stream, float]:
+        began = time.monotonic()
+        body = {"model": MODEL, "prompt": f"Story {i}:", "max_tokens": 48, "ignore_eos": True}
+        outcome = await read_stream(client, body, on_first_chunk=started)
+        return outcome, time.monotonic() - began
 
     async def detect(client: httpx.AsyncClient, killed_at: float) -> float:
         while True:
             text = (await client.get("/metrics")).text
             if f'llmgate_worker_healthy{{worker="{victim_address}"}} 0.0' in text:
                 return time.monotonic() - killed_at
-            assert time.monotonic() - killed_at < 3.0, "worker loss not detected within 3 s"
+            # The dropped connection tells at once; heartbeats within 3 s + a ping period.
+            assert time.monotonic() - killed_at < 10.0, "worker loss not detected within 10 s"
             await asyncio.sleep(0.01)
 
-    async def run() -> tuple[list[dict], float, float]:
+    async def run() -> tuple[list[tuple[Stream, float]], float, float]:
         async with httpx.AsyncClient(
             base_url=two.base_url, timeout=90, limits=httpx.Limits(max_connections=64)
         ) as client:
@@ -229,16 +220,19 @@ def test_killing_a_worker_while_32_clients_stream(two: Served) -> None:
                 )
                 for i in range(8)
             ]
-            await asyncio.sleep(1.5)
+            # Kill it once it streams to some clients (and some requests still wait).
+            async with asyncio.timeout(120):
+                await victim_streams.wait()
             killed_at = time.monotonic()
             victim.send_signal(signal.SIGKILL)
             detection = await detect(client, killed_at)
             nonlocal_whole.extend(await asyncio.gather(*whole))
-            return await asyncio.gather(*tasks), killed_at, detection
+            return list(await asyncio.gather(*tasks)), killed_at, detection
 
     nonlocal_whole: list[httpx.Response] = []
     retries_before = metric(two.base_url, "llmgate_retries_total", reason="worker_lost") or 0
-    outcomes, killed_at, detection_s = asyncio.run(run())
+    timed, killed_at, detection_s = asyncio.run(run())
+    outcomes = [o for o, _ in timed]
     # Every non-streaming request completed in full, some after a retry.
     failed = [r.text for r in nonlocal_whole if r.status_code != 200]
     assert not failed, (failed, two.log_tail(40))
@@ -248,13 +242,14 @@ def test_killing_a_worker_while_32_clients_stream(two: Served) -> None:
     )
     assert retried >= 1
     # No request hangs: every one ended, with [DONE], well within the timeout.
-    assert all(o["done"] for o in outcomes), outcomes
-    assert all(o["seconds"] < 90 for o in outcomes)
-    complete = [o for o in outcomes if o["error"] is None]
-    cut = [o for o in outcomes if o["error"] is not None]
+    assert all(o.done for o in outcomes), outcomes
+    assert all(seconds < 90 for _, seconds in timed)
+    complete = [o for o in outcomes if o.error is None]
+    cut = [o for o in outcomes if o.error is not None]
     # Only streams already running on the killed worker may be cut.
-    assert all(o["worker"] == victim_address and o["chunks"] > 0 for o in cut), cut
-    assert all(o["chunks"] == 48 for o in complete), (complete, two.log_tail(40))
+    assert all(o.worker == victim_address and o.tokens for o in cut), cut
+    # Every other stream has all its tokens, in its chunks' text, each once.
+    assert all(o.whole(48) for o in complete), (complete, two.log_tail(40))
 
     # After detection, new requests all succeed on the other worker.
     after = asyncio.run(
@@ -280,14 +275,120 @@ def test_killing_a_worker_while_32_clients_stream(two: Served) -> None:
 
     report = {
         "streams": len(outcomes),
-        "per_worker": collections.Counter(o["worker"] for o in outcomes),
-        "on_killed_worker": sum(o["worker"] == victim_address for o in outcomes),
+        "per_worker": collections.Counter(o.worker for o in outcomes),
+        "on_killed_worker": sum(o.worker == victim_address for o in outcomes),
         "completed": len(complete),
+        "completed_with_merged_chunks": sum(o.most_tokens_in_a_chunk > 1 for o in complete),
         "cut_mid_stream": len(cut),
         "non_streaming_completed": len(nonlocal_whole),
         "retried_on_the_other_worker": retried,
-        "cut_reasons": sorted({o["error"] for o in cut}),
+        "cut_reasons": sorted({o.error or "" for o in cut}),
         "detection_s": round(detection_s, 3),
         "rejoin_s": round(rejoin_s, 1),
     }
     print("kill report:", json.dumps(report))
+
+
+async def until(
+    client: httpx.AsyncClient, name: str, worker: str, holds: Callable[[float], bool]
+) -> None:
+    """Poll the gateway's metric ``name`` of ``worker`` until ``holds(value)`` (60 s at most)."""
+
+    async def poll() -> None:
+        while True:
+            text = (await client.get("/metrics")).text
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name == name and sample.labels.get("worker") == worker:
+                        if holds(sample.value):
+                            return
+            await asyncio.sleep(0.05)
+
+    try:
+        async with asyncio.timeout(60):
+            await poll()
+    except TimeoutError:
+        raise AssertionError(f"{name} of {worker}: condition not met within 60 s") from None
+
+
+def test_a_hung_worker_is_marked_down_and_rejoins(two: Served) -> None:
+    """SIGSTOP one worker under load: no crash, no dropped connection, just silence.
+
+    Within --heartbeat-timeout (3 s) the gateway marks it down: its streams
+    that had started end with an error event, its other requests are retried
+    on the other worker, and it is told to abort them all. After SIGCONT it
+    rejoins (same incarnation) and drops what it ran for us.
+    """
+    addresses = two.worker_addresses(2).split(",")
+    victim_address = addresses[0]
+    wait_healthy(two, victim_address, timeout=240)  # after the tests above restarted workers
+    victim = worker_process(two, victim_address)
+    log_start = two.log_path.stat().st_size
+    body = {"model": MODEL, "max_tokens": 48, "ignore_eos": True}
+
+    async def run() -> tuple[list[Stream], list[httpx.Response], float]:
+        async with httpx.AsyncClient(
+            base_url=two.base_url, timeout=120, limits=httpx.Limits(max_connections=64)
+        ) as client:
+            streams = [
+                asyncio.ensure_future(read_stream(client, {**body, "prompt": f"Tale {i}:"}))
+                for i in range(16)
+            ]
+            whole = [
+                asyncio.ensure_future(
+                    client.post("/v1/completions", json={**body, "prompt": f"Whole {i}:"})
+                )
+                for i in range(8)
+            ]
+            # Stop it once it runs some of them (the gateway counts them as in flight).
+            await until(client, "llmgate_worker_in_flight", victim_address, lambda v: v >= 4)
+            victim.suspend()
+            stopped_at = time.monotonic()
+            try:
+                await until(client, "llmgate_worker_healthy", victim_address, lambda v: v == 0)
+                detected = time.monotonic() - stopped_at
+                done = await asyncio.gather(*streams), await asyncio.gather(*whole)
+            finally:
+                victim.resume()
+            return list(done[0]), list(done[1]), detected
+
+    streams, whole, detected_s = asyncio.run(run())
+    # Silence is noticed after the heartbeat timeout, not before, nor much after.
+    assert 2.5 < detected_s < 10, detected_s
+    assert [r.status_code for r in whole] == [200] * 8, [r.text for r in whole]
+    assert all(r.json()["usage"]["completion_tokens"] == 48 for r in whole)
+    cut = [s for s in streams if s.error is not None]
+    assert all(s.done for s in streams), streams
+    assert all(s.worker == victim_address and s.tokens for s in cut), cut
+    assert all(s.whole(48) for s in streams if s.error is None), streams
+
+    # Resumed, it reads the gateway's abort and drops the requests it held for it...
+    def since_stop() -> str:
+        return two.log_path.read_bytes()[log_start:].decode(errors="replace")
+
+    waited = time.monotonic()
+    while "aborting the request: its gateway asked" not in since_stop():
+        assert time.monotonic() - waited < 60, two.log_tail()
+        time.sleep(0.2)
+    # ...and rejoins, taking traffic again.
+    rejoin_s = wait_healthy(two, victim_address, timeout=60)
+    again = asyncio.run(
+        post_many(
+            two.base_url,
+            [{"model": MODEL, "prompt": f"Again {i}", "max_tokens": 4} for i in range(16)],
+        )
+    )
+    assert victim_address in served_by(again)
+    log = since_stop()
+    print(
+        "hang report:",
+        json.dumps(
+            {
+                "detected_s": round(detected_s, 2),
+                "rejoined_s_after_resume": round(rejoin_s, 2),
+                "streams_cut": len(cut),
+                "streams_whole": sum(s.error is None for s in streams),
+                "aborted_on_resume": log.count("aborting the request: its gateway asked"),
+            }
+        ),
+    )

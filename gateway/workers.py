@@ -1,0 +1,231 @@
+"""The workers as this gateway process sees them: what their heartbeats say, and whether they live.
+
+A worker is *healthy* while its heartbeats keep coming. It stops being so
+when they stop for ``--heartbeat-timeout`` (a hung or partitioned worker) or
+at once when its TCP connection drops (a crashed one). Its heartbeat says
+which models it serves, how many requests it takes at once and how many
+other gateways give it, and its incarnation: a new incarnation means the
+process restarted and whatever we had in flight there is gone. Either way
+``on_lost`` is called, and the pool fails that worker's requests (the API
+retries those that sent nothing to the client yet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+
+from gateway import metrics
+from gateway.transport import OnMessage, WorkerLink
+from shared import keys, protocol
+from shared.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class WorkerState:
+    link: WorkerLink
+    worker_id: str = ""
+    incarnation: str = ""
+    models: frozenset[str] = frozenset()
+    last_heartbeat: float = 0.0
+    healthy: bool = False
+    draining: bool = False
+    # Requests this gateway process has running there (their ids).
+    requests: set[str] = field(default_factory=set)
+    in_flight: int = 0
+    # Requests it runs or queues for other gateways, as of its last heartbeat.
+    others: int = 0
+    # Most requests it runs at once (vLLM's max_num_seqs), and its context length.
+    capacity: int = 0
+    max_model_len: int = 0
+    system_fingerprint: str | None = None
+    # No longer listed by DNS: closed once idle.
+    retired: bool = False
+
+    @property
+    def address(self) -> str:
+        return self.link.address
+
+    @property
+    def key(self) -> str:
+        """Stable name for hashing (prefix policy) and metrics labels."""
+        return self.link.address
+
+
+class Workers:
+    """Every worker address this gateway knows, and each one's health."""
+
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        gateway_id: str,
+        on_message: OnMessage,
+        on_lost: Callable[[WorkerState, str], None],
+        on_up: Callable[[], None],
+    ) -> None:
+        self.settings = settings
+        self.gateway_id = gateway_id
+        self.by_address: dict[str, WorkerState] = {}
+        # Every model a worker has said it serves (metrics label only these).
+        self.known_models: set[str] = set()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._curve = keys.gateway_curve(settings)  # None: plaintext links
+        self._on_message = on_message
+        self._on_lost = on_lost
+        self._on_up = on_up
+        self._any_healthy = asyncio.Event()
+
+    # -- queries -----------------------------------------------------------
+
+    def healthy(self) -> list[WorkerState]:
+        return [w for w in self.by_address.values() if w.healthy]
+
+    def models(self) -> list[str]:
+        return sorted({m for w in self.healthy() for m in w.models})
+
+    async def wait_for_any(self) -> bool:
+        """Wait up to ``startup_timeout`` for a healthy worker; whether there is one."""
+        if not self._any_healthy.is_set():
+            try:
+                async with asyncio.timeout(self.settings.startup_timeout):
+                    await self._any_healthy.wait()
+            except TimeoutError:
+                return False
+        return True
+
+    # -- addresses (from discovery) -----------------------------------------
+
+    def sync(self, addresses: set[str]) -> None:
+        """Link to new addresses; retire those no longer listed (closed once idle)."""
+        for address in addresses - self.by_address.keys():
+            link = WorkerLink(
+                self.ctx,
+                address,
+                self.gateway_id.encode(),
+                self._dispatch,
+                on_disconnect=self._on_disconnect,
+                on_connect=self._on_connect,
+                curve=self._curve,
+            )
+            self.by_address[address] = WorkerState(link=link)
+            link.start()  # it says hello (a ping) once its handshake is done
+            log.info("worker address %s added", address)
+        for address in self.by_address.keys() - addresses:
+            worker = self.by_address[address]
+            if not worker.retired:
+                log.info("worker address %s no longer resolves: retiring it", address)
+                worker.retired = True
+
+    async def close(self) -> None:
+        for worker in self.by_address.values():
+            if worker.requests:
+                worker.link.send(protocol.Abort(request_ids=list(worker.requests)))
+            await worker.link.close()
+        self.ctx.term()
+
+    # -- what the links say --------------------------------------------------
+
+    def _dispatch(self, link: WorkerLink, message: protocol.ToGateway) -> None:
+        if isinstance(message, protocol.Heartbeat):
+            worker = self.by_address.get(link.address)
+            if worker is not None and worker.link is link:
+                self.on_heartbeat(worker, message)
+        else:
+            self._on_message(link, message)
+
+    def on_heartbeat(self, worker: WorkerState, beat: protocol.Heartbeat) -> None:
+        if beat.protocol_version != protocol.PROTOCOL_VERSION:
+            if worker.healthy or not worker.worker_id:
+                log.error(
+                    "worker %s speaks protocol %d, we speak %d: not using it",
+                    worker.address,
+                    beat.protocol_version,
+                    protocol.PROTOCOL_VERSION,
+                )
+            worker.worker_id = beat.worker_id
+            worker.healthy = False
+            return
+        if worker.incarnation and beat.incarnation != worker.incarnation:
+            log.warning("worker %s restarted (new incarnation)", worker.address)
+            self._on_lost(worker, "the worker restarted")
+        if not worker.healthy:
+            log.info(
+                "worker %s (%s) is up, serving %s", worker.address, beat.worker_id, beat.models
+            )
+        if beat.draining and not worker.draining:
+            log.info("worker %s is draining", worker.address)
+        worker.worker_id = beat.worker_id
+        worker.incarnation = beat.incarnation
+        worker.models = frozenset(beat.models)
+        self.known_models.update(beat.models)
+        worker.last_heartbeat = time.monotonic()
+        was_healthy, worker.healthy = worker.healthy, True
+        worker.draining = beat.draining
+        worker.system_fingerprint = beat.system_fingerprint or None
+        # The worker's count includes this gateway's own requests, which
+        # in_flight already knows exactly and at once: keep only the rest.
+        worker.others = max(0, beat.running + beat.waiting - worker.in_flight)
+        worker.capacity = beat.capacity
+        worker.max_model_len = beat.max_model_len
+        self._any_healthy.set()
+        labels = worker.key
+        metrics.WORKER_HEALTHY.labels(labels).set(1)
+        metrics.WORKER_RUNNING.labels(labels).set(beat.running)
+        metrics.WORKER_WAITING.labels(labels).set(beat.waiting)
+        metrics.WORKER_KV_USAGE.labels(labels).set(beat.kv_cache_usage)
+        if not was_healthy:
+            self._on_up()
+
+    def _on_connect(self, link: WorkerLink) -> None:
+        # The worker answers a gateway's first message with a heartbeat at once.
+        link.send(protocol.Ping(gateway_id=self.gateway_id, sent_at=time.time()))
+
+    def _on_disconnect(self, link: WorkerLink) -> None:
+        worker = self.by_address.get(link.address)
+        if worker is not None and worker.link is link and worker.healthy:
+            self.lose(worker, "its connection dropped")
+
+    # -- liveness ----------------------------------------------------------
+
+    def lose(self, worker: WorkerState, reason: str) -> None:
+        if worker.healthy:
+            log.warning("worker %s lost: %s", worker.address, reason)
+        worker.healthy = False
+        metrics.WORKER_HEALTHY.labels(worker.key).set(0)
+        if worker.requests:
+            # A hung worker (stopped, overloaded, partitioned) may come back:
+            # it must then drop what it ran for us, which went elsewhere or
+            # ended in an error. A crashed one never reads this.
+            worker.link.send(protocol.Abort(request_ids=list(worker.requests)))
+        self._on_lost(worker, f"the worker was lost: {reason}")
+        if not self.healthy():
+            self._any_healthy.clear()
+
+    async def monitor(self) -> None:
+        """Ping every worker each heartbeat interval; lose silent ones, drop idle retired ones."""
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval)
+            ping = protocol.Ping(gateway_id=self.gateway_id, sent_at=time.time())
+            for worker in self.by_address.values():
+                worker.link.send(ping)
+            now = time.monotonic()
+            for worker in list(self.by_address.values()):
+                silent = now - worker.last_heartbeat
+                if worker.healthy and silent > self.settings.heartbeat_timeout:
+                    self.lose(worker, f"silent for {silent:.1f}s")
+                if worker.retired and not worker.requests:
+                    await self._remove(worker)
+
+    async def _remove(self, worker: WorkerState) -> None:
+        del self.by_address[worker.address]
+        metrics.WORKER_HEALTHY.labels(worker.key).set(0)
+        await worker.link.close()
+        if not self.healthy():
+            self._any_healthy.clear()

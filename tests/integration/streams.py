@@ -1,0 +1,104 @@
+"""Reading a completions stream token by token, to check that none is lost.
+
+A chunk of a stream is not a token: when a worker's front end falls behind
+its engine (a busy core, a pause), vLLM merges the engine's outputs for a
+request into one, and that output becomes one chunk carrying several tokens,
+as under ``vllm serve``. So the invariant is checked on tokens, which the
+stream shows when it is asked for ``logprobs``: a stream either ends with an
+error event, or it carries exactly the tokens the engine generated for it
+(as many as its usage counts), in order, each once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+# What a streaming request adds so its stream can be checked token by token.
+TOKENS_SHOWN = {"logprobs": 1, "stream_options": {"include_usage": True}}
+
+
+@dataclass
+class Stream:
+    status: int = 0
+    worker: str | None = None
+    chunks: int = 0
+    text: str = ""
+    # Every token as the chunks' logprobs name it, in order.
+    tokens: list[str] = field(default_factory=list)
+    # Chunks whose text is not their tokens' text (special tokens aside).
+    mismatched: list[dict[str, Any]] = field(default_factory=list)
+    usage_tokens: int | None = None
+    error: str | None = None
+    done: bool = False
+    # More than 1: the worker merged engine outputs (it fell behind its engine).
+    most_tokens_in_a_chunk: int = 0
+
+    def read_line(self, line: str) -> None:
+        if line == "data: [DONE]":
+            self.done = True
+            return
+        if not line.startswith("data: "):
+            return
+        payload = json.loads(line[6:])
+        if "error" in payload:
+            self.error = payload["error"]["message"]
+            return
+        if payload.get("usage") and not payload.get("choices"):
+            self.usage_tokens = payload["usage"]["completion_tokens"]
+            return
+        choice = payload["choices"][0]
+        tokens = choice["logprobs"]["tokens"] if choice.get("logprobs") else []
+        self.chunks += 1
+        self.text += choice["text"]
+        self.tokens += tokens
+        self.most_tokens_in_a_chunk = max(self.most_tokens_in_a_chunk, len(tokens))
+        if choice["text"] != "".join(t for t in tokens if not _special(t)):
+            self.mismatched.append(choice)
+
+    def whole(self, expected_tokens: int) -> bool:
+        """Ended normally with exactly ``expected_tokens`` tokens, each in its chunk's text."""
+        return (
+            self.error is None
+            and self.done
+            and len(self.tokens) == expected_tokens == self.usage_tokens
+            and not self.mismatched
+        )
+
+
+def _special(token: str) -> bool:
+    # Special tokens are named in logprobs but skipped in the text, as vLLM does.
+    return token.startswith("<|") and token.endswith("|>")
+
+
+async def read_stream(
+    client: httpx.AsyncClient,
+    body: dict[str, Any],
+    on_first_chunk: Callable[[Stream], None] | None = None,
+) -> Stream:
+    """POST a streaming completions request (tokens shown) and read it to its end.
+
+    ``on_first_chunk`` is called once the stream's first chunk has arrived.
+    """
+    stream = Stream()
+    try:
+        async with client.stream(
+            "POST", "/v1/completions", json={**body, **TOKENS_SHOWN, "stream": True}
+        ) as response:
+            stream.status = response.status_code
+            stream.worker = response.headers.get("x-llmgate-worker")
+            if response.status_code != 200:
+                stream.error = (await response.aread()).decode(errors="replace")
+                return stream
+            async for line in response.aiter_lines():
+                stream.read_line(line)
+                if on_first_chunk is not None and stream.chunks == 1:
+                    on_first_chunk(stream)
+                    on_first_chunk = None
+    except httpx.HTTPError as exc:
+        stream.error = repr(exc)
+    return stream
