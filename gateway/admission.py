@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from gateway import errors, metrics
 from gateway.policies import Policy, RoutingContext
@@ -32,9 +32,15 @@ class Admission:
         self._slot_freed = asyncio.Condition()
 
     async def acquire(
-        self, model: str, key: str | None, deadline: float, exclude: Collection[WorkerState]
+        self,
+        model: str,
+        key: str | None,
+        deadline: float,
+        exclude: Collection[WorkerState],
+        on_queued: Callable[[], object] | None = None,
     ) -> WorkerState:
-        """A worker with a free slot for ``model``, chosen by the policy; queues if none has one."""
+        """A worker with a free slot for ``model``, chosen by the policy; queues if none has one
+        (and calls ``on_queued`` then)."""
         if not await self.workers.wait_for_any():
             metrics.REJECTED.labels("no_worker").inc()
             raise errors.NoWorker("No worker is available; try again later.")
@@ -50,6 +56,8 @@ class Admission:
         if deadline:
             wait = min(wait, deadline - time.time())
         give_up = time.monotonic() + wait
+        if on_queued is not None:
+            on_queued()
         self.queued += 1
         metrics.QUEUE_DEPTH.inc()
         try:

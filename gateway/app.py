@@ -14,10 +14,11 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp
 
-from gateway import errors, metrics, openapi
+from gateway import errors, metrics, openapi, routes, tracing
 from gateway.api import auth, direct, health, openai, request_ids
-from gateway.api import tgi as tgi_routes
+from gateway.api import tgi as _tgi_endpoints  # noqa: F401  (attach themselves to routes)
 from gateway.pool import Pool
+from gateway.routes import render
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -39,10 +40,9 @@ def create_app(settings: GatewaySettings) -> ASGIApp:
     """The ASGI stack: request ids (:mod:`gateway.api.request_ids`), the API-key
     check (when keys are set), then the API's POST routes served directly
     (:mod:`gateway.api.direct`), then FastAPI."""
+    tracing.setup(settings.otlp_endpoint)
     api = create_api(settings)
-    app: ASGIApp = direct.DirectRoutes(
-        api, direct.post_endpoints([openai.router, tgi_routes.router])
-    )
+    app: ASGIApp = direct.DirectRoutes(api)
     api_keys = auth.load_api_keys(settings)
     if api_keys:
         app = auth.ApiKeyMiddleware(app, keys=api_keys, protect_metrics=settings.protect_metrics)
@@ -71,8 +71,10 @@ def create_api(settings: GatewaySettings) -> FastAPI:
     app = FastAPI(
         title="llmgate", summary="OpenAI-compatible gateway over vLLM workers", lifespan=lifespan
     )
-    app.include_router(openai.router)
-    app.include_router(tgi_routes.router)
+    for route in routes.ROUTES:
+        assert route.endpoint is not None, f"no endpoint serves {route.path}"
+        app.add_api_route(route.path, route.endpoint, methods=["POST"], tags=[route.tag])
+    app.include_router(openai.router)  # GET /v1/models
     openapi.install(app)
     app.include_router(health.router)
     app.add_exception_handler(errors.GatewayError, _gateway_error)
@@ -84,28 +86,28 @@ def create_api(settings: GatewaySettings) -> FastAPI:
 
 async def _gateway_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, errors.GatewayError)
-    return direct.render(exc, request.url.path)
+    return render(exc, request.url.path)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     """Starlette's own errors (unknown route, wrong method) in OpenAI's shape."""
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
-        return direct.render(errors.NotFound(f"No route {request.method} {request.url.path}."))
+        return render(errors.NotFound(f"No route {request.method} {request.url.path}."))
     error = (
         errors.BadRequest(str(exc.detail))
         if exc.status_code < 500
         else errors.GatewayError(str(exc.detail))
     )
-    response = direct.render(error)
+    response = render(error)
     response.status_code = exc.status_code
     return response
 
 
 async def _validation_error(_: Request, exc: Exception) -> Response:
-    return direct.render(errors.BadRequest(str(exc)))
+    return render(errors.BadRequest(str(exc)))
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return direct.render(errors.GatewayError("Internal error in the gateway."))
+    return render(errors.GatewayError("Internal error in the gateway."))

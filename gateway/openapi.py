@@ -2,9 +2,10 @@
 
 The API routes read their bodies with msgspec (``gateway.schemas``,
 ``gateway.tgi``) rather than through FastAPI's pydantic parameters, so FastAPI
-cannot see them. This module writes those same structs into the document as
-JSON Schema components, so ``/openapi.json`` describes exactly what the
-gateway accepts, and adds the error responses every API route can give.
+cannot see them. This module writes those same structs, as the route table
+names them (``gateway.routes``), into the document as JSON Schema
+components, so ``/openapi.json`` describes exactly what the gateway accepts,
+and adds the error responses every API route can give, in its dialect.
 """
 
 from __future__ import annotations
@@ -15,21 +16,9 @@ import msgspec
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from gateway import schemas, tgi
+from gateway.routes import ROUTES
 
 REF = "#/components/schemas/{name}"
-
-# (path, request body) for every route that parses its own JSON body.
-BODIES: list[tuple[str, type[msgspec.Struct]]] = [
-    ("/v1/completions", schemas.CompletionRequest),
-    ("/v1/chat/completions", schemas.ChatCompletionRequest),
-    ("/generate", tgi.GenerateRequest),
-    ("/generate_stream", tgi.GenerateRequest),
-    ("/", tgi.GenerateRequest),
-]
-
-# Routes that answer with server-sent events (always, or when the body asks).
-STREAMING = {"/v1/completions", "/v1/chat/completions", "/generate_stream", "/"}
 
 
 class OpenAIErrorDetail(msgspec.Struct):
@@ -79,25 +68,28 @@ def build(app: FastAPI) -> dict[str, Any]:
     document = get_openapi(
         title=app.title, version=app.version, summary=app.summary, routes=app.routes
     )
-    types = [body for _, body in BODIES] + [OpenAIError, TgiError]
+    types = [*dict.fromkeys(route.body for route in ROUTES), OpenAIError, TgiError]
     refs, components = msgspec.json.schema_components(types, ref_template=REF)
     document.setdefault("components", {}).setdefault("schemas", {}).update(components)
     ref_of = dict(zip(types, refs, strict=True))
-    for path, body in BODIES:
-        operation = document["paths"][path]["post"]
+    for route in ROUTES:
+        operation = document["paths"][route.path]["post"]
         operation["requestBody"] = {
             "required": True,
-            "content": {"application/json": {"schema": ref_of[body]}},
+            "content": {"application/json": {"schema": ref_of[route.body]}},
         }
-        error_ref = ref_of[TgiError if path in tgi.PATHS else OpenAIError]
+        tgi = route.dialect == "tgi"
+        error_ref = ref_of[TgiError if tgi else OpenAIError]
         responses = operation.setdefault("responses", {})
         responses.pop("422", None)  # FastAPI's own validation error: never raised here
         ok = responses.setdefault("200", {"description": "Successful Response"})
-        ok["content"] = {"application/json": {"schema": {"type": "object"}}}
-        if path in STREAMING:
+        ok["content"] = {}
+        if route.streams != "always":
+            ok["content"]["application/json"] = {"schema": {"type": "object"}}
+        if route.streams != "never":
             ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
         for status, description in _ERRORS.items():
-            if path in tgi.PATHS and status == "400":
+            if tgi and status == "400":
                 status = "422"
             responses[status] = {
                 "description": description,

@@ -16,7 +16,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from gateway import errors, metrics
 from gateway.admission import Admission
@@ -92,17 +92,25 @@ class Pool:
         deadline: float,
         key: str | None = None,
         exclude: Collection[WorkerState] = (),
+        trace: dict[str, str] | None = None,
+        on_queued: Callable[[], object] | None = None,
     ) -> RequestHandle:
         """Admit the request, pick a worker, send it; raises a ``GatewayError`` if refused.
 
         ``request_id`` becomes the id of the ``Generate`` (and vLLM's), made
-        unique in this process if clients sent the same one twice at once.
+        unique in this process if clients sent the same one twice at once;
+        ``trace`` is the request's trace context, for the worker.
         """
-        worker = await self.admission.acquire(model, key, deadline, exclude)
+        worker = await self.admission.acquire(model, key, deadline, exclude, on_queued)
         if request_id in self.pending:
             request_id = f"{request_id}~{next(self._duplicates)}"
         message = protocol.Generate(
-            request_id=request_id, model=model, kind=kind, params=params, deadline=deadline
+            request_id=request_id,
+            model=model,
+            kind=kind,
+            params=params,
+            deadline=deadline,
+            trace=trace,
         )
         try:
             # Leaves at the end of this loop turn; if the connection turns out

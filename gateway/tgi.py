@@ -43,8 +43,6 @@ from gateway import errors, sse
 from gateway.sse import encode, event
 from shared import protocol
 
-PATHS = frozenset({"/", "/generate", "/generate_stream"})
-
 DEFAULT_MAX_NEW_TOKENS = 100
 
 

@@ -10,6 +10,10 @@ Scenarios (``--scenario``, default ``all``, run one after the other):
   time to first token (TTFT) and inter-token latency (ITL) from the SSE stream.
 * ``sweep``: the seed request at ``--sweep-users`` (24, 64, 128, 256) users,
   ``--step-duration`` seconds each.
+* ``connections`` and ``soak`` (not part of ``all``; ``loadtest.capacity``):
+  ``--connections`` (1,000) streams held at once, and ``--soak-duration``
+  (30 min) of steady load with the server's memory and file descriptors
+  sampled.
 
 Each run (scenario or sweep step) is its own headless Locust process; the
 first ``--warmup`` seconds of each are not counted. Throughput is the number
@@ -31,6 +35,7 @@ final figures (``<run>_summary.json``); the server's log; ``summary.csv`` and
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import csv
 import importlib.metadata
@@ -56,6 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS_ROOT = ROOT / "loadtest" / "results"
 LOCUSTFILE = ROOT / "loadtest" / "locustfile.py"
 SCENARIOS = ("seed", "chat-stream", "sweep")
+CAPACITY_SCENARIOS = ("connections", "soak")
 # Locust's statistics name for each scenario's main request.
 SEED_NAME = "/v1/completions"
 CHAT_NAME = "/v1/chat/completions (stream)"
@@ -407,6 +413,52 @@ def run_web(args: argparse.Namespace, url: str, run_dir: Path) -> None:
         stop_locust(proc)
 
 
+def run_capacity(args: argparse.Namespace, run_dir: Path, started: datetime) -> int:
+    """The ``connections`` or ``soak`` scenario (``loadtest.capacity``); summary.json."""
+    from loadtest import capacity
+
+    if args.scenario == "connections" and not args.url:
+        # Queued streams wait for a slot instead of timing out after 30 s.
+        os.environ["LLMGATE_QUEUE_TIMEOUT"] = str(capacity.CONNECTIONS_QUEUE_TIMEOUT_S)
+    try:
+        with target(args, run_dir) as url:
+            model = args.model or served_model(url)
+            pid = capacity.server_pid_of(url)
+            if args.scenario == "connections":
+                print(f"[connections] {args.connections} streams at once", flush=True)
+                report = asyncio.run(
+                    capacity.connections(url, model, args.connections, args.connection_tokens, pid)
+                )
+            else:
+                print(f"[soak] {args.soak_users} users for {args.soak_duration:g}s", flush=True)
+                report = asyncio.run(
+                    capacity.soak(
+                        url,
+                        model,
+                        args.soak_users,
+                        args.soak_duration,
+                        args.sample_every,
+                        pid,
+                        run_dir,
+                    )
+                )
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    report = {
+        **report,
+        "date": started.isoformat(),
+        "machine": machine_info(),
+        "model": model,
+        "target": args.url or "llmgate serve" + (" --enforce-eager" * args.enforce_eager),
+        "versions": versions(),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(capacity.format_report(report))
+    print(f"results: {run_dir.relative_to(ROOT)}/summary.json")
+    return 0
+
+
 def _users_list(text: str) -> list[int]:
     users = [int(part) for part in text.split(",") if part.strip()]
     if not users or min(users) < 1:
@@ -421,7 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = parser.add_argument
-    add("--scenario", choices=[*SCENARIOS, "all"], default="all")
+    add("--scenario", choices=[*SCENARIOS, "all", *CAPACITY_SCENARIOS], default="all")
     add("--url", default=None, help="load this running server instead of starting llmgate")
     add("--web", action="store_true", help="open Locust's web UI instead of the headless runs")
     add("--web-port", type=int, default=8089, help="port of the web UI")
@@ -436,6 +488,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--chat-max-tokens", type=int, default=64, help="max_tokens of the streamed chat")
     add("--model", default="", help="model name in requests (default: the server's first)")
     add("--startup-timeout", type=float, default=600.0, help="seconds to wait for the server")
+    add("--connections", type=int, default=1000, help="streams held at once (connections)")
+    add("--connection-tokens", type=int, default=16, help="max_tokens of each (connections)")
+    add("--soak-users", type=int, default=16, help="closed-loop users (soak)")
+    add("--soak-duration", type=float, default=1800.0, help="seconds of load (soak)")
+    add("--sample-every", type=float, default=10.0, help="seconds between samples (soak)")
     return parser
 
 
@@ -458,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = plan_runs(args)
         print(f"{len(runs)} runs, {planned_seconds(runs) / 60:.1f} min of load; results: {run_dir}")
     wall = time.monotonic()
+    if args.scenario in CAPACITY_SCENARIOS:
+        return run_capacity(args, run_dir, started)
     rows: list[Summary] = []
     try:
         with target(args, run_dir) as url:

@@ -66,6 +66,9 @@ class Generate(_Message, tag="gen"):
     params: dict[str, Any]
     # Unix time after which the worker should stop working on it; 0 = none.
     deadline: float = 0.0
+    # The gateway's trace context (W3C ``traceparent``/``tracestate``) when
+    # tracing is on: vLLM's own spans for the request join that trace.
+    trace: dict[str, str] | None = None
 
 
 class Abort(_Message, tag="abort"):

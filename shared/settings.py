@@ -106,6 +106,13 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     log_format: Annotated[
         str, _help("log line format: text, or json (one object per line, with request_id)")
     ] = "text"
+    otlp_endpoint: Annotated[
+        str,
+        _help(
+            "OpenTelemetry collector to send request traces to (OTLP, gRPC unless "
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf); empty = no tracing"
+        ),
+    ] = ""
 
 
 class WorkerSettings(msgspec.Struct, kw_only=True):
@@ -171,6 +178,13 @@ class ServeSettings(msgspec.Struct, kw_only=True):
     log_format: Annotated[
         str, _help("log line format: text, or json (one object per line, with request_id)")
     ] = "text"
+    otlp_endpoint: Annotated[
+        str,
+        _help(
+            "OpenTelemetry collector to send request traces to (OTLP, gRPC unless "
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf); empty = no tracing"
+        ),
+    ] = ""
 
 
 S = TypeVar("S", bound=msgspec.Struct)

@@ -80,11 +80,13 @@ def start_serve(
     return _start(argv, log_path, port, env, worker_port, num_workers)
 
 
-def start_gateway(log_path: Path, workers: str, *extra: str) -> Served:
+def start_gateway(
+    log_path: Path, workers: str, *extra: str, env: dict[str, str] | None = None
+) -> Served:
     """Start a lone ``llmgate gateway`` in front of running workers."""
     port = free_port()
     argv = [sys.executable, "-m", "gateway.main", "--workers", workers, "--port", str(port)]
-    return _start([*argv, *extra], log_path, port, None, 0, len(workers.split(",")))
+    return _start([*argv, *extra], log_path, port, env, 0, len(workers.split(",")))
 
 
 def _start(

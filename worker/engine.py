@@ -190,17 +190,24 @@ class Engine:
         return str(text)
 
     async def run(
-        self, request_id: str, prompts: list[PreparedPrompt]
+        self,
+        request_id: str,
+        prompts: list[PreparedPrompt],
+        trace: dict[str, str] | None = None,
     ) -> AsyncIterator[list[protocol.Delta]]:
         """Run every prompt of one request; yield its deltas as they come.
 
         Choice ``i`` of prompt ``p`` gets index ``p * n + i``, as in vLLM's
         completions endpoint. The last item carries the request's usage.
+        ``trace`` (the gateway's trace context) parents vLLM's own spans,
+        when the worker runs with ``--otlp-traces-endpoint``.
         """
         from vllm.utils.async_utils import merge_async_iterators
 
         generators = [
-            self.llm.generate(p.engine_input, p.sampling_params, f"{request_id}-{i}")
+            self.llm.generate(
+                p.engine_input, p.sampling_params, f"{request_id}-{i}", trace_headers=trace
+            )
             for i, p in enumerate(prompts)
         ]
         completion_tokens = 0

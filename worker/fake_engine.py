@@ -73,7 +73,10 @@ class FakeEngine(Engine):
         return [PreparedPrompt(None, fake, rough_prompt_tokens(kind, params))]
 
     async def run(
-        self, request_id: str, prompts: list[PreparedPrompt]
+        self,
+        request_id: str,
+        prompts: list[PreparedPrompt],
+        trace: dict[str, str] | None = None,
     ) -> AsyncIterator[list[protocol.Delta]]:
         fake: FakeParams = prompts[0].sampling_params
         loop = asyncio.get_running_loop()

@@ -151,6 +151,9 @@ def _worker_child(
     ]
     if serve.worker_metrics_port:
         argv += ["--metrics-port", str(serve.worker_metrics_port + index)]
+    if serve.otlp_endpoint and not any(a.startswith("--otlp-traces-endpoint") for a in engine_args):
+        # vLLM's own spans, in the trace the gateway starts for each request.
+        argv += ["--otlp-traces-endpoint", serve.otlp_endpoint]
     argv += engine_args
     return Child(name=f"worker-{index}", argv=argv, env=env)
 
@@ -171,6 +174,8 @@ def _gateway_child(serve: settings.ServeSettings, num_workers: int) -> Child:
         serve.log_level,
         "--log-format",
         serve.log_format,
+        "--otlp-endpoint",
+        serve.otlp_endpoint,
     ]
     return Child(name="gateway", argv=argv, env=dict(os.environ))
 

@@ -16,7 +16,7 @@ COPY shared /src/shared
 COPY gateway /src/gateway
 # No extra ([cpu]/[gpu]) is named, so vLLM and torch stay out; fail the build
 # if a future dependency drags them in anyway.
-RUN /opt/venv/bin/pip install /src \
+RUN /opt/venv/bin/pip install "/src[tracing]" \
     && /opt/venv/bin/python -c "import gateway.main, gateway.app" \
     && if /opt/venv/bin/python -c "import torch" 2>/dev/null; then \
          echo "torch leaked into the gateway image" >&2; exit 1; fi \

@@ -20,6 +20,7 @@ from pathlib import Path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway import errors
+from gateway.routes import render
 from shared.settings import GatewaySettings
 
 # Load balancers and Kubernetes probes carry no key.
@@ -78,17 +79,8 @@ class ApiKeyMiddleware:
         if error is None:
             await self.app(scope, receive, send)
             return
-        await send(
-            {
-                "type": "http.response.start",
-                "status": error.status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    *((k.lower().encode(), v.encode()) for k, v in error.headers().items()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": error.json()})
+        # In the route's dialect: TGI's client reads TGI's error body.
+        await render(error, scope["path"])(scope, receive, send)
 
     def _check(self, headers: list[tuple[bytes, bytes]]) -> errors.Unauthorized | None:
         """None if the request carries a configured key, else the error to send."""

@@ -30,7 +30,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from gateway import errors, metrics, schemas, sse
+from gateway import errors, metrics, schemas, sse, tracing
 from gateway.api.request_ids import request_id_of
 from gateway.handle import RequestHandle, WorkerLost
 from gateway.pool import Pool
@@ -130,6 +130,15 @@ class Call:
         self.tried: set[WorkerState] = set()
         self.builder.include_usage = self.body.include_usage
         self._done = False  # counted in the metrics (_finish)
+        self.span = tracing.RequestSpan(
+            self.request.scope["headers"],
+            {
+                "llmgate.request_id": self.request_id,
+                "gen_ai.request.model": self.body.model,
+                "http.route": self.route,
+                "llmgate.stream": self.body.stream,
+            },
+        )
 
     async def serve(self, key_of: Callable[[int], str]) -> Response:
         settings = self.pool.settings
@@ -160,6 +169,7 @@ class Call:
     # -- attempts ------------------------------------------------------------
 
     async def _submit(self, key: str | None) -> RequestHandle:
+        span = self.span
         handle = await self.pool.submit(
             self.request_id,
             self.kind,
@@ -168,7 +178,10 @@ class Call:
             self.deadline,
             key,
             exclude=self.tried,
+            trace=span.headers(),
+            on_queued=(lambda: span.event("queued")) if span.on else None,
         )
+        span.event("routed", worker=handle.worker.address)
         self.builder.id = self.builder.id_prefix + handle.request_id
         self.builder.system_fingerprint = handle.worker.system_fingerprint
         return handle
@@ -188,6 +201,7 @@ class Call:
             )
         metrics.RETRIES.labels(reason).inc()
         log.info("retrying on another worker: %s on %s", message, handle.worker.address)
+        self.span.event("retry", reason=message, worker=handle.worker.address)
 
     # -- non-streaming -------------------------------------------------------
 
@@ -204,10 +218,14 @@ class Call:
             self.builder.reset()
 
     async def _collect(self, handle: RequestHandle) -> Response | protocol.Failed | WorkerLost:
+        first = True
         while True:
             item = await handle.next()
             if not isinstance(item, protocol.Delta):
                 return item
+            if first:
+                self.span.event("first_token")
+                first = False
             if item.usage is not None:
                 self._finish(200, item.usage)
                 return Response(
@@ -283,6 +301,7 @@ class Call:
                     itl.observe(now - last_chunk)
                 else:
                     metrics.child(metrics.TTFT, model, self.route).observe(now - self.started)
+                    self.span.event("first_token")
                 last_chunk = now
                 # Deltas that queued up meanwhile go out in the same write: one
                 # transport write per batch, not per token, under load.
@@ -314,6 +333,7 @@ class Call:
         if self._done:
             return
         self._done = True
+        self.span.end(status)
         route = self.route
         model = self.body.model
         if model not in self.pool.known_models:

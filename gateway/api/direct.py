@@ -1,70 +1,42 @@
 """The API's POST routes served straight from ASGI, past FastAPI's per-request machinery.
 
-The completion routes (OpenAI's and TGI's) are declared on FastAPI routers,
-so they appear in ``/openapi.json`` like any route, but a request for one
-never goes through FastAPI's app, router, dependency solving, exception
+The completion routes (``gateway.routes``) are declared on the FastAPI app
+too, so they appear in ``/openapi.json`` like any route, but a request for
+one never goes through FastAPI's app, router, dependency solving, exception
 middleware and exit stacks: this app, in front of FastAPI's, finds the
-endpoint by path and calls it with a plain Starlette ``Request``. That machinery cost about a
-third of the gateway's CPU per request (py-spy, ``make bench-overhead
-ARGS=--profile``). Every other request (health, metrics, models, docs,
-unknown paths, other methods) goes on to FastAPI as before.
+endpoint by path and calls it with a plain Starlette ``Request``. That
+machinery cost about a third of the gateway's CPU per request (py-spy,
+``make bench-overhead ARGS=--profile``). Every other request (health,
+metrics, models, docs, unknown paths, other methods) goes on to FastAPI.
 
 Errors are rendered here exactly as the app's handlers render them: one
-:func:`render` for both.
+:func:`gateway.routes.render` for both.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Iterable
 
-from fastapi import APIRouter, FastAPI
-from fastapi.routing import APIRoute
+from fastapi import FastAPI
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway import errors, sse, tgi
+from gateway import errors
+from gateway.routes import ROUTES, Endpoint, render
 
 log = logging.getLogger(__name__)
 
-Endpoint = Callable[[Request], Awaitable[Response]]
-
-
-def render(error: errors.GatewayError, path: str = "") -> Response:
-    """``error`` as the response a client of ``path`` expects (TGI's or OpenAI's body)."""
-    if path in tgi.PATHS:
-        return Response(
-            sse.encode(tgi.error_body(error)),
-            status_code=tgi.error_status(error),
-            headers=error.headers(),
-            media_type="application/json",
-        )
-    return Response(
-        error.json(),
-        status_code=error.status,
-        headers=error.headers(),
-        media_type="application/json",
-    )
-
-
-def post_endpoints(routers: Iterable[APIRouter]) -> dict[str, Endpoint]:
-    """Path -> endpoint of every POST route of ``routers`` (each takes just the request)."""
-    return {
-        route.path: route.endpoint
-        for router in routers
-        for route in router.routes
-        if isinstance(route, APIRoute) and route.methods == {"POST"}
-    }
-
 
 class DirectRoutes:
-    """In front of the FastAPI app: POSTs to ``endpoints``' paths are served here,
+    """In front of the FastAPI app: POSTs to the table's paths are served here,
     everything else (lifespan included) goes on to ``api``."""
 
-    def __init__(self, api: FastAPI, endpoints: dict[str, Endpoint]) -> None:
+    def __init__(self, api: FastAPI) -> None:
         self.api = api
-        self.endpoints = endpoints
+        self.endpoints: dict[str, Endpoint] = {}
+        for route in ROUTES:
+            assert route.endpoint is not None, f"no endpoint serves {route.path}"
+            self.endpoints[route.path] = route.endpoint
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = None

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from gateway import errors, schemas, sse
+from gateway import errors, routes, schemas, sse
 from gateway.api.call import JSON, Call, pool_of, read_body
 
 router = APIRouter()
@@ -30,7 +30,7 @@ async def list_models(request: Request) -> Response:
     return Response(sse.encode({"object": "list", "data": data}), media_type=JSON)
 
 
-@router.post("/v1/completions")
+@routes.COMPLETIONS.serves
 async def create_completion(request: Request) -> Response:
     raw = schemas.decode_body(await read_body(request))
     body = schemas.validate(raw, schemas.CompletionRequest)
@@ -38,17 +38,17 @@ async def create_completion(request: Request) -> Response:
     if body.suffix is not None:
         raise errors.BadRequest("suffix is not supported by this model.", "suffix")
     builder = sse.Completion("", body.model, body.n * _num_prompts(body.prompt), body.logprobs)
-    call = Call(request, "completion", "/v1/completions", raw, body, builder)
+    call = Call(request, "completion", routes.COMPLETIONS.path, raw, body, builder)
     return await call.serve(lambda limit: _prompt_key(body.prompt, limit))
 
 
-@router.post("/v1/chat/completions")
+@routes.CHAT.serves
 async def create_chat_completion(request: Request) -> Response:
     raw = schemas.decode_body(await read_body(request))
     body = schemas.validate(raw, schemas.ChatCompletionRequest)
     schemas.check_limits(body, pool_of(request).settings)
     builder = sse.Chat("", body.model, body.n, body.logprobs, body.top_logprobs or 0)
-    call = Call(request, "chat", "/v1/chat/completions", raw, body, builder)
+    call = Call(request, "chat", routes.CHAT.path, raw, body, builder)
     return await call.serve(lambda limit: _messages_key(body.messages, limit))
 
 

@@ -17,7 +17,7 @@ import os
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import errors
-from gateway.api.direct import render
+from gateway.routes import render
 from shared import logs
 
 HEADER = b"x-request-id"

@@ -7,28 +7,26 @@ one-element list. The mapping itself lives in :mod:`gateway.tgi`.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from starlette.requests import Request
+from starlette.responses import Response
 
-from gateway import errors, schemas, tgi
+from gateway import errors, routes, schemas, tgi
 from gateway.api.call import Call, pool_of, read_body
 
-router = APIRouter()
 
-
-@router.post("/generate", tags=["TGI"])
+@routes.TGI_GENERATE.serves
 async def generate(request: Request) -> Response:
-    return await _serve(request, "/generate", stream=False)
+    return await _serve(request, routes.TGI_GENERATE.path, stream=False)
 
 
-@router.post("/generate_stream", tags=["TGI"])
+@routes.TGI_GENERATE_STREAM.serves
 async def generate_stream(request: Request) -> Response:
-    return await _serve(request, "/generate_stream", stream=True)
+    return await _serve(request, routes.TGI_GENERATE_STREAM.path, stream=True)
 
 
-@router.post("/", tags=["TGI"])
+@routes.TGI_COMPAT.serves
 async def compat_generate(request: Request) -> Response:
-    return await _serve(request, "/", stream=None)
+    return await _serve(request, routes.TGI_COMPAT.path, stream=None)
 
 
 async def _serve(request: Request, route: str, stream: bool | None) -> Response:

@@ -153,7 +153,8 @@ print(json.dumps(sorted({m.split(".")[0] for m in sys.modules})))
 
 def test_the_gateway_image_installs_no_engine() -> None:
     runs = [step.value[0] for step in only(instructions(DOCKER / "gateway.Dockerfile"), "RUN")]
-    assert any("pip install /src " in run for run in runs)  # no [cpu]/[gpu] extra
+    # Only the tracing extra: no [cpu]/[gpu] one.
+    assert any('pip install "/src[tracing]" ' in run for run in runs)
     assert "worker" not in _local_copies("gateway.Dockerfile")
     # And the gateway's code imports none of the engine's stack.
     result = subprocess.run(

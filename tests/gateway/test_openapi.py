@@ -7,7 +7,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from gateway import openapi, schemas, tgi
+from gateway import routes, schemas
 from gateway.app import create_api
 from shared.settings import GatewaySettings
 
@@ -23,7 +23,10 @@ def body_schema(document: dict[str, Any], path: str) -> dict[str, Any]:
     return {**ref, "components": document["components"]}
 
 
-@pytest.mark.parametrize(("path", "struct"), openapi.BODIES)
+BODIES = [(route.path, route.body) for route in routes.ROUTES]
+
+
+@pytest.mark.parametrize(("path", "struct"), BODIES)
 def test_every_body_route_documents_its_body(
     document: dict[str, Any], path: str, struct: type
 ) -> None:
@@ -46,7 +49,7 @@ def test_bodies_the_gateway_accepts_validate_against_the_document(
     document: dict[str, Any], path: str, body: dict[str, Any]
 ) -> None:
     jsonschema.validate(body, body_schema(document, path))
-    struct = dict(openapi.BODIES)[path]
+    struct = dict(BODIES)[path]
     schemas.validate(body, struct)
 
 
@@ -70,4 +73,12 @@ def test_error_responses_use_the_routes_error_shape(document: dict[str, Any]) ->
     assert v1["429"]["content"]["application/json"]["schema"]["$ref"].endswith("/OpenAIError")
     generate = document["paths"]["/generate"]["post"]["responses"]
     assert generate["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/TgiError")
-    assert "/generate" in tgi.PATHS
+    assert routes.dialect_of("/generate") == "tgi"
+
+
+@pytest.mark.parametrize("route", routes.ROUTES, ids=lambda route: route.path)
+def test_each_route_documents_how_it_answers(document: dict[str, Any], route: routes.Route) -> None:
+    ok = document["paths"][route.path]["post"]["responses"]["200"]["content"]
+    assert ("text/event-stream" in ok) == (route.streams != "never")
+    assert ("application/json" in ok) == (route.streams != "always")
+    assert document["paths"][route.path]["post"]["tags"] == [route.tag]

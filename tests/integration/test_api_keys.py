@@ -55,7 +55,14 @@ def call(
 
 
 def assert_401(response: httpx.Response) -> None:
+    """401 in the route's dialect: TGI's error body on TGI's routes, OpenAI's elsewhere."""
     assert response.status_code == 401, response.text
+    assert response.headers["x-request-id"]
+    if response.request.url.path == "/generate":
+        message = response.json()["error"]
+        assert response.json() == {"error": message, "error_type": "authentication"}
+        assert "API key" in message
+        return
     assert response.json() == {
         "error": {
             "message": response.json()["error"]["message"],

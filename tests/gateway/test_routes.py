@@ -1,0 +1,48 @@
+"""gateway/routes.py: one table for the POST routes, and errors in each route's dialect."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from starlette.testclient import TestClient
+
+from gateway import errors, routes
+from gateway.app import create_app
+from shared.settings import GatewaySettings
+
+
+def test_every_route_has_its_endpoint() -> None:
+    import gateway.app  # noqa: F401  (the endpoints attach themselves on import)
+
+    assert all(route.endpoint is not None for route in routes.ROUTES)
+    assert len(routes.BY_PATH) == len(routes.ROUTES)
+
+
+@pytest.mark.parametrize("route", routes.ROUTES, ids=lambda route: route.path)
+def test_errors_are_rendered_in_the_routes_dialect(route: routes.Route) -> None:
+    response = routes.render(errors.BadRequest("no good", "temperature"), route.path)
+    body = json.loads(bytes(response.body))
+    if route.dialect == "tgi":
+        assert response.status_code == 422
+        assert body == {"error": "no good", "error_type": "validation"}
+    else:
+        assert response.status_code == 400
+        assert body["error"]["message"] == "no good"
+        assert body["error"]["param"] == "temperature"
+
+
+@pytest.mark.parametrize(
+    ("path", "tgi"), [("/v1/completions", False), ("/generate", True), ("/", True)]
+)
+def test_api_key_refusals_answer_in_the_routes_dialect(path: str, tgi: bool) -> None:
+    app = create_app(GatewaySettings(api_keys="secret-key"))
+    # No lifespan: the key check answers before anything needs the pool.
+    response = TestClient(app).post(path, json={"inputs": "hi"})
+    assert response.status_code == 401
+    assert response.headers["x-request-id"]
+    body = response.json()
+    if tgi:
+        assert body["error_type"] == "authentication" and "API key" in body["error"]
+    else:
+        assert "API key" in body["error"]["message"]
