@@ -60,12 +60,14 @@ class Admission:
             on_queued()
         self.queued += 1
         metrics.QUEUE_DEPTH.inc()
+        chosen = None
         try:
             async with self._slot_freed:
                 while True:
                     free = self._free(self._eligible(model, exclude))
                     if free:
-                        return self.policy.select(RoutingContext(model, free, key))
+                        chosen = self.policy.select(RoutingContext(model, free, key))
+                        return chosen
                     remaining = give_up - time.monotonic()
                     if remaining <= 0:
                         metrics.REJECTED.labels("queue_timeout").inc()
@@ -80,6 +82,10 @@ class Admission:
         finally:
             self.queued -= 1
             metrics.QUEUE_DEPTH.dec()
+            if chosen is None:
+                # Leaving without a slot (refused, cancelled, its client gone):
+                # a wake-up meant for this request goes to the next one.
+                self.wake(1)
 
     def wake(self, n: int | None = None) -> None:
         """Let ``n`` queued requests (all if None) look for a free slot again."""

@@ -17,6 +17,7 @@ from starlette.types import ASGIApp
 from gateway import errors, metrics, openapi, routes, tracing
 from gateway.api import auth, direct, health, openai, request_ids
 from gateway.api import tgi as _tgi_endpoints  # noqa: F401  (attach themselves to routes)
+from gateway.api.request_ids import request_id_of
 from gateway.pool import Pool
 from gateway.routes import render
 from shared.settings import GatewaySettings
@@ -109,5 +110,10 @@ async def _validation_error(_: Request, exc: Exception) -> Response:
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    log.exception(
+        "unhandled error on %s %s",
+        request.method,
+        request.url.path,
+        extra={"request_id": request_id_of(request.scope)},
+    )
     return render(errors.GatewayError("Internal error in the gateway."))

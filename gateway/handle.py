@@ -103,9 +103,10 @@ class RequestHandle:
 
     def deliver(self, item: Item) -> None:
         """Called by the pool for each item that arrives for this request."""
-        if isinstance(item, protocol.Failed | WorkerLost) or (
-            isinstance(item, protocol.Delta) and item.usage is not None
-        ):
+        if type(item) is protocol.Delta:
+            if item.usage is not None:
+                self.finished = True
+        else:  # Failed, WorkerLost: the last item either way
             self.finished = True
         self._inbox.put_nowait(item)
 

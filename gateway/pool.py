@@ -12,6 +12,7 @@ heartbeats and their liveness are ``gateway.workers``; where they are is
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -29,6 +30,9 @@ from shared import protocol
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
+
+# How many released request ids the pool remembers (see Pool.submit).
+RELEASED_IDS_KEPT = 10_000
 
 
 class Pool:
@@ -48,8 +52,10 @@ class Pool:
         self.discovery = Discovery(settings.workers, settings.resolve_interval, self.workers.sync)
         # Requests sent to a worker and not yet closed, by the id the worker knows.
         self.pending: dict[str, RequestHandle] = {}
-        # Suffixes that keep two requests a client gave one X-Request-Id apart.
-        self._duplicates = itertools.count(1)
+        # Ids released lately: a retry, or a client reusing its X-Request-Id,
+        # gets a suffixed id, so no late delta for the old one reaches it.
+        self._released: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._suffixes = itertools.count(1)
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle ---------------------------------------------------------
@@ -97,13 +103,14 @@ class Pool:
     ) -> RequestHandle:
         """Admit the request, pick a worker, send it; raises a ``GatewayError`` if refused.
 
-        ``request_id`` becomes the id of the ``Generate`` (and vLLM's), made
-        unique in this process if clients sent the same one twice at once;
-        ``trace`` is the request's trace context, for the worker.
+        ``request_id`` becomes the id of the ``Generate`` (and vLLM's); if
+        it is in use or was lately (a retry, a client's reused
+        ``X-Request-Id``), a suffix ``~N`` keeps the two apart. ``trace`` is
+        the request's trace context, for the worker.
         """
         worker = await self.admission.acquire(model, key, deadline, exclude, on_queued)
-        if request_id in self.pending:
-            request_id = f"{request_id}~{next(self._duplicates)}"
+        if request_id in self.pending or request_id in self._released:
+            request_id = f"{request_id}~{next(self._suffixes)}"
         message = protocol.Generate(
             request_id=request_id,
             model=model,
@@ -131,8 +138,12 @@ class Pool:
 
     def _release(self, handle: RequestHandle) -> None:
         """A handle was closed: forget it, abort it on its worker if it still runs there."""
-        if self.pending.pop(handle.request_id, None) is None:
-            return
+        if self.pending.get(handle.request_id) is not handle:
+            return  # closed before
+        del self.pending[handle.request_id]
+        self._released[handle.request_id] = None
+        if len(self._released) > RELEASED_IDS_KEPT:
+            self._released.popitem(last=False)
         worker = handle.worker
         worker.requests.discard(handle.request_id)
         worker.in_flight -= 1
@@ -144,15 +155,17 @@ class Pool:
 
     def _on_message(self, link: WorkerLink, message: protocol.ToGateway) -> None:
         """Deltas and failures, to the handles of the requests they are for."""
+        # Only from the worker the request went to: one that was lost (hung,
+        # then back) may still send for an id whose request went elsewhere.
         if isinstance(message, protocol.Deltas):
             pending = self.pending
             for delta in message.items:
                 handle = pending.get(delta.request_id)
-                if handle is not None:
+                if handle is not None and handle.worker.link is link:
                     handle.deliver(delta)
         elif isinstance(message, protocol.Failed):
             handle = self.pending.get(message.request_id)
-            if handle is not None:
+            if handle is not None and handle.worker.link is link:
                 handle.deliver(message)
 
     def _fail_requests(self, worker: WorkerState, reason: str) -> None:

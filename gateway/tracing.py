@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+from collections.abc import Sequence
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -66,14 +67,33 @@ def _exporter(endpoint: str) -> Any:
     raise ValueError(f"{PROTOCOL_ENV}={protocol!r}: use grpc or http/protobuf")
 
 
+def request_span(
+    headers: list[tuple[bytes, bytes]], request_id: str, model: str, route: str, stream: bool
+) -> RequestSpan:
+    """The span of a request that starts now (a shared do-nothing one when tracing is off)."""
+    if TRACER is None:
+        return NO_SPAN
+    attributes = {
+        "llmgate.request_id": request_id,
+        "gen_ai.request.model": model,
+        "http.route": route,
+        "llmgate.stream": stream,
+    }
+    return RequestSpan(headers, attributes)
+
+
 class RequestSpan:
     """The span of one request, or nothing at all when tracing is off."""
 
     __slots__ = ("_span",)
 
-    def __init__(self, headers: list[tuple[bytes, bytes]], attributes: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        headers: Sequence[tuple[bytes, bytes]] = (),
+        attributes: dict[str, Any] | None = None,
+    ) -> None:
         self._span: Any = None
-        if TRACER is None:
+        if TRACER is None or attributes is None:
             return
         from opentelemetry.trace import SpanKind
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -117,3 +137,7 @@ class RequestSpan:
             self._span.set_status(Status(StatusCode.ERROR))
         self._span.end()
         self._span = None
+
+
+# What every request gets while tracing is off: no span, and nothing to do.
+NO_SPAN = RequestSpan()

@@ -9,6 +9,7 @@ pool's business (``gateway.pool``).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import Callable
 
@@ -100,7 +101,9 @@ class WorkerLink:
         """
         self._outbox.append(self._encoder.encode(message))
         if len(self._outbox) == 1:
-            asyncio.get_running_loop().call_soon(self._flush)
+            # A context of its own: the flush serves every request of this
+            # turn, so its log lines must not carry one request's id.
+            asyncio.get_running_loop().call_soon(self._flush, context=contextvars.Context())
 
     def _flush(self) -> None:
         frames, self._outbox = self._outbox, []

@@ -2,10 +2,10 @@
 
 Each process logs one line per record, as text (process name first) or, with
 ``--log-format json``, as one JSON object per line for log shippers. A record
-written while a request is being handled carries that request's id
-(``request_id``): the gateway sets it for each HTTP request (from the
-client's ``X-Request-Id`` or one it makes), the worker for each ``Generate``
-it runs (the same id, which it also gives vLLM), so one id finds a request's
+about a request carries that request's id (``request_id``): the gateway's
+names it with ``extra={"request_id": ...}`` (the client's ``X-Request-Id`` or
+one it made), the worker sets the context variable below in each request's
+task (the same id, which it also gives vLLM), so one id finds a request's
 lines on both sides.
 """
 
@@ -43,7 +43,8 @@ class _RequestIdFilter(logging.Filter):
     as the text format's `` [request_id=...]`` suffix)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        rid = request_id.get()
+        # Named by the caller (extra={"request_id": ...}), or the task's own.
+        rid = getattr(record, "request_id", None) or request_id.get()
         record.request_id = rid
         record.request = f" [request_id={rid}]" if rid else ""
         return True

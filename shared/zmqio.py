@@ -19,6 +19,7 @@ means.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import Callable
 from typing import Generic, TypeVar, cast
@@ -71,7 +72,8 @@ class Reader(Generic[T]):
     def _schedule(self) -> None:
         if not self._scheduled and self._loop is not None:
             self._scheduled = True
-            self._loop.call_soon(self._drain)
+            # Not in the caller's context: what the drain reads is no one request's.
+            self._loop.call_soon(self._drain, context=contextvars.Context())
 
     def _drain(self) -> None:
         self._scheduled = False

@@ -11,6 +11,7 @@ the engine's step rate, not tokens times requests.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import signal
@@ -228,7 +229,8 @@ class WorkerServer:
         gateway.outbox.extend(deltas)
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            # A context of its own: the flush is every request's, not this one's.
+            asyncio.get_running_loop().call_soon(self._flush, context=contextvars.Context())
 
     def _flush(self) -> None:
         self._flush_scheduled = False

@@ -20,6 +20,7 @@ from pathlib import Path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway import errors
+from gateway.api.request_ids import with_request_id
 from gateway.routes import render
 from shared.settings import GatewaySettings
 
@@ -80,7 +81,7 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         # In the route's dialect: TGI's client reads TGI's error body.
-        await render(error, scope["path"])(scope, receive, send)
+        await with_request_id(render(error, scope["path"]), scope)(scope, receive, send)
 
     def _check(self, headers: list[tuple[bytes, bytes]]) -> errors.Unauthorized | None:
         """None if the request carries a configured key, else the error to send."""

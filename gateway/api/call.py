@@ -125,19 +125,21 @@ class Call:
     def __post_init__(self) -> None:
         self.pool = pool_of(self.request)
         self.request_id = request_id_of(self.request.scope)
+        # Log lines about this request name it (shared.logs).
+        self.log_extra = {"request_id": self.request_id}
         self.started = time.monotonic()
         self.deadline = _deadline(self.request, self.pool.settings.request_timeout)
         self.tried: set[WorkerState] = set()
         self.builder.include_usage = self.body.include_usage
+        # The response is named by the client's id (a retry's wire id has a suffix).
+        self.builder.id = self.builder.id_prefix + self.request_id
         self._done = False  # counted in the metrics (_finish)
-        self.span = tracing.RequestSpan(
+        self.span = tracing.request_span(
             self.request.scope["headers"],
-            {
-                "llmgate.request_id": self.request_id,
-                "gen_ai.request.model": self.body.model,
-                "http.route": self.route,
-                "llmgate.stream": self.body.stream,
-            },
+            self.request_id,
+            self.body.model,
+            self.route,
+            self.body.stream,
         )
 
     async def serve(self, key_of: Callable[[int], str]) -> Response:
@@ -155,13 +157,17 @@ class Call:
             return await self._complete(key)
         except asyncio.CancelledError:
             if not watch.disconnected:
+                self._finish(500)  # shutting down: counted, its span ended
                 raise
             watch.task.uncancel()
-            log.info("client disconnected before the response started")
+            log.info("client disconnected before the response started", extra=self.log_extra)
             self._finish(499)  # nginx's "client closed request"
             return Response(status_code=499)
         except errors.GatewayError as exc:
             self._finish(exc.status)
+            raise
+        except BaseException:
+            self._finish(500)  # shutting down, or a bug: counted, its span ended
             raise
         finally:
             watch.stop()
@@ -181,8 +187,8 @@ class Call:
             trace=span.headers(),
             on_queued=(lambda: span.event("queued")) if span.on else None,
         )
-        span.event("routed", worker=handle.worker.address)
-        self.builder.id = self.builder.id_prefix + handle.request_id
+        if span.on:
+            span.event("routed", worker=handle.worker.address)
         self.builder.system_fingerprint = handle.worker.system_fingerprint
         return handle
 
@@ -200,8 +206,14 @@ class Call:
                 f"The request failed on {len(self.tried)} workers; last: {message}."
             )
         metrics.RETRIES.labels(reason).inc()
-        log.info("retrying on another worker: %s on %s", message, handle.worker.address)
-        self.span.event("retry", reason=message, worker=handle.worker.address)
+        log.info(
+            "retrying on another worker: %s on %s",
+            message,
+            handle.worker.address,
+            extra=self.log_extra,
+        )
+        if self.span.on:
+            self.span.event("retry", reason=message, worker=handle.worker.address)
 
     # -- non-streaming -------------------------------------------------------
 
@@ -286,7 +298,7 @@ class Call:
                     break
                 if isinstance(item, WorkerLost):
                     status = 502
-                    log.warning("stream cut: %s", item.reason)
+                    log.warning("stream cut: %s", item.reason, extra=self.log_extra)
                     yield self.builder.error_event(
                         errors.UpstreamFailed(f"The stream was cut: {item.reason}.")
                     )
@@ -321,6 +333,9 @@ class Call:
                 yield self.builder.done
         except (asyncio.CancelledError, GeneratorExit):
             status = 499
+            raise
+        except BaseException:
+            status = 500
             raise
         finally:
             handle.close()

@@ -1,26 +1,32 @@
 """Every HTTP request's id: the client's ``X-Request-Id``, or one made here.
 
-The outermost ASGI layer, so it covers every route and every answer,
-errors, 429s and API-key refusals included: the id goes back in the
-response's ``X-Request-Id`` header, onto every log line written while the
-request is handled (``shared.logs.request_id``), to the worker as the id of
-the ``Generate`` message, and from there to vLLM as its request id. The
+Every answer carries it back in its ``X-Request-Id`` header, errors, 429s and
+API-key refusals included; the gateway's log lines about the request name it
+(``extra={"request_id": ...}``, see ``shared.logs``); the worker gets it as the id
+of the ``Generate`` message and gives it to vLLM as its request id. The
 response bodies' ``id`` fields are built from it too (``cmpl-ID``,
 ``chatcmpl-ID``), as ``vllm serve`` builds them from the same header.
+
+The API's POST routes take their id in :class:`gateway.api.direct.DirectRoutes`
+and put the header on the responses they make (:func:`with_request_id`): no
+wrapper around every chunk a stream sends. :class:`RequestIds`, the outermost
+ASGI layer, does it for every other request.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+from typing import TypeVar
 
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import errors
-from gateway.routes import render
-from shared import logs
+from gateway.routes import BY_PATH, render
 
 HEADER = b"x-request-id"
+R = TypeVar("R", bound=Response)
 MAX_LENGTH = 128
 
 # This process's random part and a counter: unique across gateways and
@@ -34,12 +40,29 @@ def new_request_id() -> str:
 
 
 def request_id_of(scope: Scope) -> str:
-    """The id :class:`RequestIds` gave this request (a new one if it did not run)."""
+    """This request's id (one is made if none was assigned yet)."""
     state = scope.setdefault("state", {})
     rid: str | None = state.get("request_id")
     if rid is None:
         rid = state["request_id"] = new_request_id()
     return rid
+
+
+def assign(scope: Scope) -> tuple[str, errors.BadRequest | None]:
+    """Give the request its id: the client's if valid, else a new one (and the 400 to send)."""
+    rid = None
+    bad = None
+    for key, value in scope["headers"]:
+        if key == HEADER:
+            try:
+                rid = check(value)
+            except errors.BadRequest as exc:
+                bad = exc
+            break
+    if rid is None:
+        rid = new_request_id()
+    scope.setdefault("state", {})["request_id"] = rid
+    return rid, bad
 
 
 def check(value: bytes) -> str:
@@ -54,39 +77,35 @@ def check(value: bytes) -> str:
 
 
 class RequestIds:
-    """Gives each HTTP request its id and returns it in the ``X-Request-Id`` header."""
+    """Gives each HTTP request but the API's POST routes its id, and returns it in the
+    ``X-Request-Id`` header (those routes do both in ``DirectRoutes``)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or (scope["method"] == "POST" and scope["path"] in BY_PATH):
             await self.app(scope, receive, send)
             return
-        given = None
-        for key, value in scope["headers"]:
-            if key == HEADER:
-                given = value
-                break
-        bad: errors.GatewayError | None = None
-        if given is None:
-            rid = new_request_id()
+        rid, bad = assign(scope)
+        if bad is not None:
+            await with_request_id(render(bad, scope["path"]), scope)(scope, receive, send)
         else:
-            try:
-                rid = check(given)
-            except errors.BadRequest as exc:
-                rid, bad = new_request_id(), exc
-        scope.setdefault("state", {})["request_id"] = rid
-        header = (HEADER, rid.encode())
+            await self.app(scope, receive, _adding_id(send, rid))
 
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", ()), header]
-            await send(message)
 
-        with logs.for_request(rid):
-            if bad is not None:
-                response = render(bad, scope["path"])  # in the route's dialect
-                await response(scope, receive, send_with_id)
-            else:
-                await self.app(scope, receive, send_with_id)
+def with_request_id(response: R, scope: Scope) -> R:
+    """``response`` with this request's ``X-Request-Id`` header."""
+    response.raw_headers.append((HEADER, request_id_of(scope).encode()))
+    return response
+
+
+def _adding_id(send: Send, rid: str) -> Send:
+    header = (HEADER, rid.encode())
+
+    async def send_with_id(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message["headers"] = [*message.get("headers", ()), header]
+        await send(message)
+
+    return send_with_id

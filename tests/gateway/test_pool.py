@@ -1,0 +1,99 @@
+"""gateway/pool.py: what arrives for a request reaches its handle, and only its own.
+
+Regression tests for the review of the request lifecycle: a retry used to
+reuse its request id, so a lost worker that came back could push its late
+tokens into the retry's stream.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from gateway.handle import WorkerLost
+from gateway.pool import Pool
+from gateway.workers import WorkerState
+from shared import protocol
+from shared.settings import GatewaySettings
+
+
+class Link(SimpleNamespace):
+    """A worker link that keeps what it is asked to send."""
+
+    def send(self, message: Any) -> None:
+        self.sent.append(message)
+
+
+def healthy_worker(pool: Pool, name: str) -> WorkerState:
+    worker = WorkerState(link=Link(address=f"tcp://{name}:5550", sent=[]))  # type: ignore[arg-type]
+    pool.workers.by_address[worker.address] = worker
+    beat = protocol.Heartbeat(name, "incarnation", ["m"], capacity=8)
+    pool.workers.on_heartbeat(worker, beat)
+    return worker
+
+
+@pytest.fixture
+async def pool() -> Any:
+    running = Pool(GatewaySettings(policy="round-robin"))
+    yield running
+    running.workers.ctx.term()
+
+
+def delta(request_id: str, text: str, usage: bool = False) -> protocol.Deltas:
+    return protocol.Deltas(
+        items=[
+            protocol.Delta(request_id, 0, text, 1, usage=protocol.Usage(1, 1) if usage else None)
+        ]
+    )
+
+
+async def test_a_retry_never_receives_what_the_lost_worker_sends_late(pool: Pool) -> None:
+    a, b = healthy_worker(pool, "a"), healthy_worker(pool, "b")
+    first = await pool.submit("req-1", "completion", "m", {}, 0.0, exclude=[b])
+    assert first.worker is a and first.request_id == "req-1"
+    pool.workers.lose(a, "silent for 3.1s")
+    assert isinstance(await first.next(), WorkerLost)
+    first.close()
+    retry = await pool.submit("req-1", "completion", "m", {}, 0.0, exclude=[a])
+    assert retry.worker is b
+    assert retry.request_id != "req-1"  # its own id on the wire
+    # The hung worker comes back and sends what it had for req-1: dropped.
+    pool._on_message(a.link, delta("req-1", " stale", usage=True))
+    pool._on_message(a.link, delta(retry.request_id, " wrong link"))
+    pool._on_message(b.link, delta(retry.request_id, " fresh"))
+    item = retry.next_nowait()
+    assert isinstance(item, protocol.Delta) and item.text == " fresh"
+    assert retry.next_nowait() is None and not retry.finished
+    retry.close()
+
+
+async def test_a_lost_worker_is_told_to_abort_our_requests(pool: Pool) -> None:
+    a = healthy_worker(pool, "a")
+    handle = await pool.submit("req-2", "completion", "m", {}, 0.0)
+    pool.workers.lose(a, "silent for 3.1s")
+    aborts = [m for m in a.link.sent if isinstance(m, protocol.Abort)]  # type: ignore[attr-defined]
+    assert aborts and aborts[-1].request_ids == ["req-2"]
+    handle.close()
+
+
+async def test_closing_an_old_handle_twice_leaves_the_new_one_alone(pool: Pool) -> None:
+    a = healthy_worker(pool, "a")
+    old = await pool.submit("req-3", "completion", "m", {}, 0.0)
+    old.close()
+    new = await pool.submit("req-3", "completion", "m", {}, 0.0)
+    old.close()
+    assert pool.pending == {new.request_id: new}
+    assert a.in_flight == 1
+    new.close()
+    assert a.in_flight == 0 and not pool.pending
+
+
+async def test_two_requests_with_one_client_id_get_two_wire_ids(pool: Pool) -> None:
+    healthy_worker(pool, "a")
+    first = await pool.submit("same", "completion", "m", {}, 0.0)
+    second = await pool.submit("same", "completion", "m", {}, 0.0)
+    assert first.request_id == "same" and second.request_id.startswith("same~")
+    first.close()
+    second.close()
