@@ -511,12 +511,13 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.now(UTC)
     run_dir = RESULTS_ROOT / f"{started:%Y%m%dT%H%M%SZ}-loadtest"
     run_dir.mkdir(parents=True, exist_ok=True)
+    if args.scenario in CAPACITY_SCENARIOS:
+        print(f"{args.scenario}; results: {run_dir}")
+        return run_capacity(args, run_dir, started)
     if not args.web:
         runs = plan_runs(args)
         print(f"{len(runs)} runs, {planned_seconds(runs) / 60:.1f} min of load; results: {run_dir}")
     wall = time.monotonic()
-    if args.scenario in CAPACITY_SCENARIOS:
-        return run_capacity(args, run_dir, started)
     rows: list[Summary] = []
     try:
         with target(args, run_dir) as url:
