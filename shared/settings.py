@@ -23,6 +23,19 @@ def _help(text: str) -> msgspec.Meta:
     return msgspec.Meta(description=text)
 
 
+# Settings several process kinds share, described once.
+LogFormat = Annotated[
+    str, _help("log line format: text, or json (one object per line, with request_id)")
+]
+OtlpEndpoint = Annotated[
+    str,
+    _help(
+        "OpenTelemetry collector to send request traces to (OTLP, gRPC unless "
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf); empty = no tracing"
+    ),
+]
+
+
 class GatewaySettings(msgspec.Struct, kw_only=True):
     workers: Annotated[
         str,
@@ -103,16 +116,8 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
         str, _help("the workers' CURVE public key file (NAME.key); every worker has this key")
     ] = ""
     log_level: Annotated[str, _help("log level: debug, info, warning, error")] = "info"
-    log_format: Annotated[
-        str, _help("log line format: text, or json (one object per line, with request_id)")
-    ] = "text"
-    otlp_endpoint: Annotated[
-        str,
-        _help(
-            "OpenTelemetry collector to send request traces to (OTLP, gRPC unless "
-            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf); empty = no tracing"
-        ),
-    ] = ""
+    log_format: LogFormat = "text"
+    otlp_endpoint: OtlpEndpoint = ""
 
 
 class WorkerSettings(msgspec.Struct, kw_only=True):
@@ -152,9 +157,7 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
         str,
         _help("directory of the public key files (*.key) of the gateways this worker accepts"),
     ] = ""
-    log_format: Annotated[
-        str, _help("log line format: text, or json (one object per line, with request_id)")
-    ] = "text"
+    log_format: LogFormat = "text"
     # The log level is vLLM's own --log-level flag (DEBUG, INFO, ...).
 
 
@@ -175,16 +178,8 @@ class ServeSettings(msgspec.Struct, kw_only=True):
         float, _help("upper bound in seconds of the backoff between worker restarts")
     ] = 30.0
     log_level: Annotated[str, _help("log level: debug, info, warning, error")] = "info"
-    log_format: Annotated[
-        str, _help("log line format: text, or json (one object per line, with request_id)")
-    ] = "text"
-    otlp_endpoint: Annotated[
-        str,
-        _help(
-            "OpenTelemetry collector to send request traces to (OTLP, gRPC unless "
-            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf); empty = no tracing"
-        ),
-    ] = ""
+    log_format: LogFormat = "text"
+    otlp_endpoint: OtlpEndpoint = ""
 
 
 S = TypeVar("S", bound=msgspec.Struct)
