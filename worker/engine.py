@@ -284,9 +284,6 @@ class Engine:
         kv_usage = self.load_tracker.kv_cache_usage if unfinished else 0.0
         return unfinished - waiting, waiting, kv_usage
 
-    async def check_health(self) -> None:
-        await self.llm.check_health()
-
     def shutdown(self) -> None:
         self.llm.shutdown()
 

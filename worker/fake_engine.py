@@ -107,9 +107,6 @@ class FakeEngine(Engine):
     def load(self) -> tuple[int, int, float]:
         return self.running, 0, 0.0
 
-    async def check_health(self) -> None:
-        return None
-
     def shutdown(self) -> None:
         return None
 

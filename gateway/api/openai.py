@@ -14,7 +14,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from gateway import errors, routes, schemas, sse
-from gateway.api.call import JSON, Call, pool_of, read_body
+from gateway.api.call import JSON, Call, pool_of
+from gateway.api.http import read_body
 
 router = APIRouter()
 

@@ -11,7 +11,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway import errors, routes, schemas, tgi
-from gateway.api.call import Call, pool_of, read_body
+from gateway.api.call import Call, pool_of
+from gateway.api.http import read_body
 
 
 @routes.TGI_GENERATE.serves
