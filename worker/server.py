@@ -279,11 +279,20 @@ class WorkerServer:
         )
 
     async def _heartbeat_loop(self) -> None:
+        interval = self.settings.heartbeat_interval
+        last_tick = time.monotonic()
         while True:
-            await asyncio.sleep(self.settings.heartbeat_interval)
+            await asyncio.sleep(interval)
             now = time.monotonic()
+            # Woken far later than asked: this process was paused (SIGSTOP, a
+            # starved core), not its gateways silent. What they sent meanwhile
+            # is still unread: judge silence on a later tick, once it is read.
+            paused = now - last_tick > 2 * interval + 1.0
+            last_tick = now
             for identity, gateway in list(self.gateways.items()):
-                if now - gateway.last_seen > self.settings.gateway_timeout:
+                if paused:
+                    self._send(identity, self._heartbeat())
+                elif now - gateway.last_seen > self.settings.gateway_timeout:
                     self._forget_gateway(identity)
                 else:
                     self._send(identity, self._heartbeat())

@@ -374,6 +374,7 @@ def test_a_hung_worker_is_marked_down_and_rejoins(two: Served) -> None:
 
     # Resumed, it reads the gateway's abort and drops the requests it held for it...
     waited = time.monotonic()
+    # (Not for "its gateway went silent": the worker knows it was the one paused.)
     while "aborting the request: its gateway asked" not in since_stop():
         assert time.monotonic() - waited < 60, two.log_tail()
         time.sleep(0.2)
