@@ -30,8 +30,10 @@ format: install
 bench: install
 	$(PY) -m loadtest.bench $(ARGS)
 
-# The gateway's own cost over a zero-cost fake worker, beside vllm-router (needs wrk).
+# The gateway's own cost over a zero-cost fake worker, beside vllm-router
+# (installs Debian's wrk when it is missing).
 bench-overhead: install
+	@scripts/debian-package.sh wrk
 	$(PY) -m loadtest.overhead $(ARGS)
 
 loadtest: install

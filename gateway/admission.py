@@ -41,7 +41,7 @@ class Admission:
     ) -> WorkerState:
         """A worker with a free slot for ``model``, chosen by the policy; queues if none has one
         (and calls ``on_queued`` then)."""
-        if not await self.workers.wait_for_any():
+        if not self.workers.any_healthy and not await self.workers.wait_for_any():
             metrics.REJECTED.labels("no_worker").inc()
             raise errors.NoWorker("No worker is available; try again later.")
         free = self._free(self._eligible(model, exclude))
@@ -103,8 +103,10 @@ class Admission:
 
     def _capacity(self, worker: WorkerState) -> int:
         """The smaller of what the worker reports and --max-inflight-per-worker (0s unset)."""
-        set_limits = [n for n in (worker.capacity, self.settings.max_inflight_per_worker) if n]
-        return min(set_limits, default=1)
+        reported, cap = worker.capacity, self.settings.max_inflight_per_worker
+        if reported and cap:
+            return min(reported, cap)
+        return reported or cap or 1
 
     def _free(self, workers: list[WorkerState]) -> list[WorkerState]:
         return [w for w in workers if w.in_flight < self._capacity(w)]

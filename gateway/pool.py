@@ -133,7 +133,7 @@ class Pool:
         worker.requests.add(request_id)
         worker.in_flight += 1
         metrics.IN_FLIGHT.inc()
-        metrics.child(metrics.WORKER_IN_FLIGHT, worker.key).inc()
+        worker.in_flight_gauge.inc()
         return handle
 
     def _release(self, handle: RequestHandle) -> None:
@@ -148,7 +148,7 @@ class Pool:
         worker.requests.discard(handle.request_id)
         worker.in_flight -= 1
         metrics.IN_FLIGHT.dec()
-        metrics.child(metrics.WORKER_IN_FLIGHT, worker.key).dec()
+        worker.in_flight_gauge.dec()
         if not handle.finished and worker.healthy:
             worker.link.send(protocol.Abort(request_ids=[handle.request_id]))
         self.admission.wake(1)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
+from prometheus_client import Gauge
 
 from gateway import metrics
 from gateway.transport import OnMessage, WorkerLink
@@ -48,15 +49,15 @@ class WorkerState:
     system_fingerprint: str | None = None
     # No longer listed by DNS: closed once idle.
     retired: bool = False
+    # Set from the link; plain attributes, not properties: read several times
+    # per request. ``key``: stable name for hashing (prefix policy) and metrics.
+    address: str = field(init=False)
+    key: str = field(init=False)
+    in_flight_gauge: Gauge = field(init=False)
 
-    @property
-    def address(self) -> str:
-        return self.link.address
-
-    @property
-    def key(self) -> str:
-        """Stable name for hashing (prefix policy) and metrics labels."""
-        return self.link.address
+    def __post_init__(self) -> None:
+        self.address = self.key = self.link.address
+        self.in_flight_gauge = metrics.child(metrics.WORKER_IN_FLIGHT, self.key)
 
 
 class Workers:
@@ -89,6 +90,10 @@ class Workers:
 
     def models(self) -> list[str]:
         return sorted({m for w in self.healthy() for m in w.models})
+
+    @property
+    def any_healthy(self) -> bool:
+        return self._any_healthy.is_set()
 
     async def wait_for_any(self) -> bool:
         """Wait up to ``startup_timeout`` for a healthy worker; whether there is one."""

@@ -33,7 +33,7 @@ answer is checked token for token before it is loaded. ``--profile`` adds
 one py-spy-sampled run of the gateway per scenario (not counted) and prints
 where its time goes.
 
-Run it (needs ``wrk``: ``apt-get install wrk``)::
+Run it (``make bench-overhead`` installs Debian's ``wrk`` when it is missing)::
 
     make bench-overhead
     make bench-overhead ARGS="--repeats 5 --duration 10 --profile"

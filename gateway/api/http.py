@@ -34,9 +34,9 @@ def header(request: Request, name: bytes) -> str | None:
     return None
 
 
-async def read_body(request: Request) -> bytes:
-    """The body, refused with 413 as soon as it is known to be over ``--max-body-bytes``."""
-    limit = request.app.state.pool.settings.max_body_bytes
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to be over ``limit`` bytes
+    (``--max-body-bytes``)."""
     declared = header(request, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)  # without reading a byte of it

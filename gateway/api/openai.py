@@ -33,9 +33,10 @@ async def list_models(request: Request) -> Response:
 
 @routes.COMPLETIONS.serves
 async def create_completion(request: Request) -> Response:
-    raw = schemas.decode_body(await read_body(request))
+    pool = pool_of(request)
+    raw = schemas.decode_body(await read_body(request, pool.settings.max_body_bytes))
     body = schemas.validate(raw, schemas.CompletionRequest)
-    schemas.check_limits(body, pool_of(request).settings)
+    schemas.check_limits(body, pool.settings)
     if body.suffix is not None:
         raise errors.BadRequest("suffix is not supported by this model.", "suffix")
     builder = sse.Completion("", body.model, body.n * _num_prompts(body.prompt), body.logprobs)
@@ -45,9 +46,10 @@ async def create_completion(request: Request) -> Response:
 
 @routes.CHAT.serves
 async def create_chat_completion(request: Request) -> Response:
-    raw = schemas.decode_body(await read_body(request))
+    pool = pool_of(request)
+    raw = schemas.decode_body(await read_body(request, pool.settings.max_body_bytes))
     body = schemas.validate(raw, schemas.ChatCompletionRequest)
-    schemas.check_limits(body, pool_of(request).settings)
+    schemas.check_limits(body, pool.settings)
     builder = sse.Chat("", body.model, body.n, body.logprobs, body.top_logprobs or 0)
     call = Call(request, "chat", routes.CHAT.path, raw, body, builder)
     return await call.serve(lambda limit: _messages_key(body.messages, limit))

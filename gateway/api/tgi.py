@@ -31,10 +31,10 @@ async def compat_generate(request: Request) -> Response:
 
 
 async def _serve(request: Request, route: str, stream: bool | None) -> Response:
-    raw = schemas.decode_body(await read_body(request))
+    pool = pool_of(request)
+    raw = schemas.decode_body(await read_body(request, pool.settings.max_body_bytes))
     body = schemas.validate(raw, tgi.GenerateRequest)
     tgi.check_supported(body.parameters)
-    pool = pool_of(request)
     model = body.model
     if model is None:
         await pool.wait_for_worker()
