@@ -8,18 +8,63 @@ the routing policy. When none has one, it waits in a bounded queue
 either bound it is refused with 429. With no healthy worker at all, a
 request waits ``--startup-timeout`` for one, then gets 503; a model no
 healthy worker serves is a 404.
+
+Pools and tiers (``gateway.models``): a request's target lists the pools it
+may run on, home tier first. It starts on its home pool when that has a free
+slot (and nobody is queued there before it). Otherwise, when the home pool's
+``spill_after`` is set and the request's expected wait there (requests
+queued ahead / the pool's slots x its recent mean request time) is at least
+that, it starts at once on the first later tier with a free slot
+(``llmgate_spillover_total``). Else it queues for its home pool, first come
+first served; once it has waited ``spill_after``, a free slot in a later tier
+takes it too, whichever frees first. Without ``spill_after`` a request only
+ever runs on its home pool, as without a config.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import logging
 import time
 from collections.abc import Callable, Collection
 
 from gateway import errors, metrics
+from gateway.models import Target, Tier
 from gateway.policies import Policy, RoutingContext
 from gateway.workers import Workers, WorkerState
 from shared.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+# Weight of the newest request time in a pool's running mean.
+_EWMA_WEIGHT = 0.2
+
+
+class _PoolQueue:
+    """The requests waiting for one pool, in arrival order, and its recent request time."""
+
+    __slots__ = ("depth_gauge", "in_flight_gauge", "mean_seconds", "queued", "tier", "waiters")
+
+    def __init__(self, tier: Tier) -> None:
+        label = tier.label
+        self.tier = tier
+        # One future per waiting request; a done one is skipped (its request
+        # was woken by another pool, left, or was already woken).
+        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        # Requests whose home this pool is, waiting.
+        self.queued = 0
+        self.mean_seconds = 0.0
+        self.depth_gauge = metrics.child(metrics.POOL_QUEUE_DEPTH, label)
+        self.in_flight_gauge = metrics.child(metrics.POOL_IN_FLIGHT, label)
+
+    def wake_one(self) -> bool:
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return True
+        return False
 
 
 class Admission:
@@ -27,79 +72,182 @@ class Admission:
         self.settings = settings
         self.workers = workers
         self.policy = policy
-        # Requests waiting in this process's queue.
+        # Requests waiting in this process's queues, all pools together.
         self.queued = 0
-        self._slot_freed = asyncio.Condition()
+        self._pools: dict[str, _PoolQueue] = {}
+
+    def pool(self, tier: Tier) -> _PoolQueue:
+        queue = self._pools.get(tier.label)
+        if queue is None:
+            queue = self._pools[tier.label] = _PoolQueue(tier)
+        return queue
 
     async def acquire(
         self,
-        model: str,
+        target: Target,
         key: str | None,
         deadline: float,
         exclude: Collection[WorkerState],
         on_queued: Callable[[], object] | None = None,
-    ) -> WorkerState:
-        """A worker with a free slot for ``model``, chosen by the policy; queues if none has one
-        (and calls ``on_queued`` then)."""
+    ) -> tuple[WorkerState, Tier]:
+        """A worker with a free slot for ``target``, chosen by the policy, and its
+        tier; queues if none may take it now (and calls ``on_queued`` then)."""
         if not self.workers.any_healthy and not await self.workers.wait_for_any():
             metrics.REJECTED.labels("no_worker").inc()
             raise errors.NoWorker("No worker is available; try again later.")
-        free = self._free(self._eligible(model, exclude))
-        if free and not self.queued:
-            return self.policy.select(RoutingContext(model, free, key))
+        tiers = self._live_tiers(target, exclude)
+        home = tiers[0]
+        home_queue = self.pool(home)
+        if not home_queue.queued:  # else those first
+            chosen = self._take(home, key, exclude)
+            if chosen is not None:
+                return chosen
+        spill_after = home.spill_after if len(tiers) > 1 else None
+        if spill_after is not None and self.expected_wait(home) >= spill_after:
+            chosen = self._spill(tiers, key, exclude)
+            if chosen is not None:
+                return chosen
         if self.queued >= self.settings.max_queue:
             metrics.REJECTED.labels("queue_full").inc()
             raise errors.Overloaded(
                 "Too many requests are waiting; try again shortly.", retry_after=1
             )
+        return await self._wait(target, tiers, key, deadline, exclude, on_queued, home_queue)
+
+    async def _wait(
+        self,
+        target: Target,
+        tiers: list[Tier],
+        key: str | None,
+        deadline: float,
+        exclude: Collection[WorkerState],
+        on_queued: Callable[[], object] | None,
+        home_queue: _PoolQueue,
+    ) -> tuple[WorkerState, Tier]:
         wait = self.settings.queue_timeout
         if deadline:
             wait = min(wait, deadline - time.time())
-        give_up = time.monotonic() + wait
+        now = time.monotonic()
+        give_up = now + wait
+        home = tiers[0]
+        spill_after = home.spill_after if len(tiers) > 1 else None
+        spill_at = now + spill_after if spill_after is not None else None
         if on_queued is not None:
             on_queued()
         self.queued += 1
+        home_queue.queued += 1
         metrics.QUEUE_DEPTH.inc()
+        home_queue.depth_gauge.inc()
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        home_queue.waiters.append(waiter)
         chosen = None
+        spilling = False
         try:
-            async with self._slot_freed:
-                while True:
-                    free = self._free(self._eligible(model, exclude))
-                    if free:
-                        chosen = self.policy.select(RoutingContext(model, free, key))
+            while True:
+                now = time.monotonic()
+                if not spilling and spill_at is not None and now >= spill_at:
+                    # Waited long enough: a later tier's slot will do too.
+                    spilling = True
+                    chosen = self._spill(tiers, key, exclude)
+                    if chosen is not None:
                         return chosen
-                    remaining = give_up - time.monotonic()
-                    if remaining <= 0:
-                        metrics.REJECTED.labels("queue_timeout").inc()
-                        raise errors.Overloaded(
-                            "Timed out waiting for a free worker; try again shortly.", retry_after=1
-                        )
-                    try:
-                        async with asyncio.timeout(remaining):
-                            await self._slot_freed.wait()
-                    except TimeoutError:
-                        continue
+                    for tier in tiers[1:]:
+                        self.pool(tier).waiters.append(waiter)
+                if waiter.done():
+                    chosen = self._take(home, key, exclude)
+                    if chosen is None and spilling:
+                        chosen = self._spill(tiers, key, exclude)
+                    if chosen is not None:
+                        return chosen
+                    # Woken, but the slot went elsewhere (or was a general
+                    # wake-up): wait again, at the front of the line.
+                    waiter = loop.create_future()
+                    home_queue.waiters.appendleft(waiter)
+                    if spilling:
+                        for tier in tiers[1:]:
+                            self.pool(tier).waiters.appendleft(waiter)
+                remaining = give_up - now
+                if remaining <= 0:
+                    metrics.REJECTED.labels("queue_timeout").inc()
+                    raise errors.Overloaded(
+                        "Timed out waiting for a free worker; try again shortly.", retry_after=1
+                    )
+                if spill_at is not None and not spilling:
+                    remaining = min(remaining, spill_at - now)
+                try:
+                    async with asyncio.timeout(remaining):
+                        await asyncio.shield(waiter)
+                except TimeoutError:
+                    continue
         finally:
             self.queued -= 1
+            home_queue.queued -= 1
             metrics.QUEUE_DEPTH.dec()
-            if chosen is None:
-                # Leaving without a slot (refused, cancelled, its client gone):
-                # a wake-up meant for this request goes to the next one.
-                self.wake(1)
+            home_queue.depth_gauge.dec()
+            if waiter.done():
+                if chosen is None:
+                    # Woken, but leaving without the slot (refused, cancelled,
+                    # its client gone): the wake-up goes to the next in line.
+                    self.wake_pools(tiers)
+            else:
+                waiter.cancel()  # skipped where it is still queued
 
-    def wake(self, n: int | None = None) -> None:
-        """Let ``n`` queued requests (all if None) look for a free slot again."""
-        if not self.queued:
-            return
+    def _take(
+        self, tier: Tier, key: str | None, exclude: Collection[WorkerState]
+    ) -> tuple[WorkerState, Tier] | None:
+        """A free worker of ``tier``, chosen by the policy; None if none."""
+        free = self._free(tier, exclude)
+        if not free:
+            return None
+        return self.policy.select(RoutingContext(tier.model, free, key)), tier
 
-        async def notify() -> None:
-            async with self._slot_freed:
-                if n is None:
-                    self._slot_freed.notify_all()
-                else:
-                    self._slot_freed.notify(n)
+    def _spill(
+        self, tiers: list[Tier], key: str | None, exclude: Collection[WorkerState]
+    ) -> tuple[WorkerState, Tier] | None:
+        for tier in tiers[1:]:
+            free = self._free(tier, exclude)
+            if free:
+                metrics.child(metrics.SPILLOVER, tiers[0].label, tier.label).inc()
+                log.debug(
+                    "spill-over: %s is full, %s takes the request", tiers[0].label, tier.label
+                )
+                return self.policy.select(RoutingContext(tier.model, free, key)), tier
+        return None
 
-        asyncio.get_running_loop().create_task(notify())
+    def expected_wait(self, tier: Tier) -> float:
+        """Seconds a request arriving now would wait for ``tier``'s pool (an estimate)."""
+        queue = self.pool(tier)
+        slots = sum(self._capacity(w) for w in self._serving(tier, ()))
+        return (queue.queued + 1) / max(slots, 1) * queue.mean_seconds
+
+    def finished(self, tier: Tier, seconds: float | None) -> None:
+        """A request on ``tier`` ended (after ``seconds``, if it ran to its end):
+        its pool's mean request time, and a free slot."""
+        queue = self.pool(tier)
+        if seconds is not None:
+            queue.mean_seconds += _EWMA_WEIGHT * (seconds - queue.mean_seconds)
+        queue.in_flight_gauge.dec()
+        self.wake_pools([tier])
+
+    def started(self, tier: Tier) -> None:
+        self.pool(tier).in_flight_gauge.inc()
+
+    def wake_pools(self, tiers: Collection[Tier]) -> None:
+        """One queued request of the first of ``tiers`` with any may look for a slot."""
+        for tier in tiers:
+            queue = self._pools.get(tier.label)
+            if queue is not None and queue.wake_one():
+                return
+
+    def wake(self) -> None:
+        """A worker came up: as many queued requests as there are free slots in
+        each pool look for one (the first in line; the rest keep their place)."""
+        for queue in self._pools.values():
+            free = sum(self._capacity(w) - w.in_flight for w in self._free(queue.tier, ()))
+            for _ in range(free):
+                if not queue.wake_one():
+                    break
 
     def _capacity(self, worker: WorkerState) -> int:
         """The smaller of what the worker reports and --max-inflight-per-worker (0s unset)."""
@@ -108,21 +256,38 @@ class Admission:
             return min(reported, cap)
         return reported or cap or 1
 
-    def _free(self, workers: list[WorkerState]) -> list[WorkerState]:
-        return [w for w in workers if w.in_flight < self._capacity(w)]
-
-    def _eligible(self, model: str, exclude: Collection[WorkerState]) -> list[WorkerState]:
-        """Healthy, serving ``model``, not draining, not excluded; 404/503 if none."""
-        eligible = [
+    def _serving(self, tier: Tier, exclude: Collection[WorkerState]) -> list[WorkerState]:
+        model, pool = tier.model, tier.pool
+        return [
             w
             for w in self.workers.by_address.values()
-            if w.healthy and not w.draining and model in w.models and w not in exclude
+            if w.healthy
+            and not w.draining
+            and model in w.models
+            and (not pool or w.pool == pool)
+            and w not in exclude
         ]
-        if eligible:
-            return eligible
+
+    def _free(self, tier: Tier, exclude: Collection[WorkerState]) -> list[WorkerState]:
+        return [w for w in self._serving(tier, exclude) if w.in_flight < self._capacity(w)]
+
+    def _live_tiers(self, target: Target, exclude: Collection[WorkerState]) -> list[Tier]:
+        """The target's tiers that have a worker to run on; 404/503 if none has."""
+        if len(target.tiers) == 1:
+            # Most requests: checked on the way (_take), no list to build here.
+            tier = target.tiers[0]
+            for w in self.workers.by_address.values():
+                if w.healthy and not w.draining and tier.model in w.models and w not in exclude:
+                    if not tier.pool or w.pool == tier.pool:
+                        return [tier]
+        else:
+            tiers = [t for t in target.tiers if self._serving(t, exclude)]
+            if tiers:
+                return tiers
         # None: say why.
+        model = target.model
         healthy = self.workers.healthy()
-        serving = [w for w in healthy if model in w.models]
+        serving = [w for w in healthy if any(t.model in w.models for t in target.tiers)]
         if not serving:
             if healthy and not any(w.draining for w in healthy):
                 raise errors.ModelNotFound.for_model(model)

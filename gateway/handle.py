@@ -21,6 +21,7 @@ from gateway import errors
 from shared import protocol
 
 if TYPE_CHECKING:
+    from gateway.models import Tier
     from gateway.workers import WorkerState
 
 
@@ -86,9 +87,13 @@ class RequestHandle:
         worker: WorkerState,
         deadline: float,
         release: Callable[[RequestHandle], None],
+        tier: Tier,
     ) -> None:
         self.request_id = request_id
         self.worker = worker
+        # The pool it runs in, and since when (for the pool's mean request time).
+        self.tier = tier
+        self.started = time.monotonic()
         # Set once the worker has sent its last item (nothing to abort).
         self.finished = False
         self._inbox = Inbox()

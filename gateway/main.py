@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     if gateway.policy not in POLICY_NAMES:
         raise SystemExit(f"--policy must be one of {', '.join(POLICY_NAMES)}")
     _check_keys(gateway)
+    _check_config(gateway)
     # The app factory reads its settings from the environment, in this
     # process or in uvicorn's worker processes alike.
     os.environ.update(settings.to_environment(gateway))
@@ -98,6 +99,23 @@ def _check_keys(gateway: settings.GatewaySettings) -> None:
         "API keys: %s; worker links: %s",
         f"{len(api_keys)} configured" if api_keys else "none (open)",
         "CURVE" if curve else "plaintext",
+    )
+
+
+def _check_config(gateway: settings.GatewaySettings) -> None:
+    """Refuse to start on a bad --config file, naming its line and field."""
+    if not gateway.config:
+        return
+    from shared.config import ConfigError, load
+
+    try:
+        config = load(gateway.config)
+    except ConfigError as exc:
+        raise SystemExit(f"llmgate gateway: {exc}") from None
+    log.info(
+        "pools from %s: %s",
+        gateway.config,
+        ", ".join(f"{p.name} ({p.model_name}, tier {p.tier})" for p in config.pools),
     )
 
 

@@ -98,6 +98,35 @@ REJECTED = Counter(
     ["reason"],
 )
 
+# Pools (--config): which pool took a request, and why.
+POOL_IN_FLIGHT = Gauge(
+    "llmgate_pool_in_flight",
+    "Requests sent to the pool's workers, not finished (pool: its name, or the model's).",
+    ["pool"],
+    multiprocess_mode="livesum",
+)
+POOL_QUEUE_DEPTH = Gauge(
+    "llmgate_pool_queue_depth",
+    "Requests waiting for a free slot in the pool (their home tier).",
+    ["pool"],
+    multiprocess_mode="livesum",
+)
+SPILLOVER = Counter(
+    "llmgate_spillover",
+    "Requests a full pool passed to a later tier.",
+    ["from_pool", "to_pool"],
+)
+AUTO_ROUTES = Counter(
+    "llmgate_auto_route",
+    "Requests for the auto model, by the rule that matched and the pool it chose.",
+    ["rule", "pool"],
+)
+CASCADE = Counter(
+    "llmgate_cascade",
+    "Cascaded requests: accepted (the default model's answer kept) or escalated.",
+    ["outcome"],
+)
+
 WORKER_HEALTHY = Gauge(
     "llmgate_worker_healthy",
     "1 while the worker's heartbeats arrive.",

@@ -23,6 +23,7 @@ from gateway import errors, metrics
 from gateway.admission import Admission
 from gateway.discovery import Discovery
 from gateway.handle import RequestHandle, WorkerLost
+from gateway.models import Models, Target, Tier
 from gateway.policies import Policy, make_policy
 from gateway.transport import WorkerLink
 from gateway.workers import Workers, WorkerState
@@ -36,9 +37,16 @@ RELEASED_IDS_KEPT = 10_000
 
 
 class Pool:
-    def __init__(self, settings: GatewaySettings, policy: Policy | None = None) -> None:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        policy: Policy | None = None,
+        models: Models | None = None,
+    ) -> None:
         self.settings = settings
         self.policy = policy or make_policy(settings.policy, settings.prefix_load_factor)
+        # Model names, aliases, auto, pools and tiers (--config).
+        self.names = models if models is not None else Models.from_file(settings.config)
         self.gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
         self.started_at = int(time.time())
         self.workers = Workers(
@@ -48,8 +56,11 @@ class Pool:
             on_lost=self._fail_requests,
             on_up=lambda: self.admission.wake(),
         )
+        self.workers.pool_of_address = self.names.pool_of_address()
         self.admission = Admission(settings, self.workers, self.policy)
-        self.discovery = Discovery(settings.workers, settings.resolve_interval, self.workers.sync)
+        self.discovery = Discovery(
+            _worker_addresses(settings, self.names), settings.resolve_interval, self.workers.sync
+        )
         # Requests sent to a worker and not yet closed, by the id the worker knows.
         self.pending: dict[str, RequestHandle] = {}
         # Ids released lately: a retry, or a client reusing its X-Request-Id,
@@ -93,7 +104,7 @@ class Pool:
         self,
         request_id: str,
         kind: protocol.RequestKind,
-        model: str,
+        target: Target | str,
         params: dict[str, object],
         deadline: float,
         key: str | None = None,
@@ -108,12 +119,14 @@ class Pool:
         ``X-Request-Id``), a suffix ``~N`` keeps the two apart. ``trace`` is
         the request's trace context, for the worker.
         """
-        worker = await self.admission.acquire(model, key, deadline, exclude, on_queued)
+        if isinstance(target, str):
+            target = Target(target, (Tier("", target),))
+        worker, tier = await self.admission.acquire(target, key, deadline, exclude, on_queued)
         if request_id in self.pending or request_id in self._released:
             request_id = f"{request_id}~{next(self._suffixes)}"
         message = protocol.Generate(
             request_id=request_id,
-            model=model,
+            model=tier.model,
             kind=kind,
             params=params,
             deadline=deadline,
@@ -128,12 +141,13 @@ class Pool:
             raise errors.BadRequest(
                 "The request holds an integer too large to handle (64 bits at most)."
             ) from None
-        handle = RequestHandle(request_id, worker, deadline, self._release)
+        handle = RequestHandle(request_id, worker, deadline, self._release, tier)
         self.pending[request_id] = handle
         worker.requests.add(request_id)
         worker.in_flight += 1
         metrics.IN_FLIGHT.inc()
         worker.in_flight_gauge.inc()
+        self.admission.started(tier)
         return handle
 
     def _release(self, handle: RequestHandle) -> None:
@@ -151,7 +165,9 @@ class Pool:
         worker.in_flight_gauge.dec()
         if not handle.finished and worker.healthy:
             worker.link.send(protocol.Abort(request_ids=[handle.request_id]))
-        self.admission.wake(1)
+        # Only whole requests tell the pool how long one takes (not aborts).
+        took = time.monotonic() - handle.started if handle.finished else None
+        self.admission.finished(handle.tier, took)
 
     def _on_message(self, link: WorkerLink, message: protocol.ToGateway) -> None:
         """Deltas and failures, to the handles of the requests they are for."""
@@ -173,3 +189,14 @@ class Pool:
             handle = self.pending.get(request_id)
             if handle is not None and not handle.finished:
                 handle.deliver(WorkerLost(reason))
+
+
+def _worker_addresses(settings: GatewaySettings, models: Models) -> str:
+    """``--workers``, and the addresses the config's pools list (those alone when
+    ``--workers`` is left at its default)."""
+    listed = models.addresses()
+    if not listed:
+        return settings.workers
+    if settings.workers == GatewaySettings().workers:
+        return ",".join(listed)
+    return ",".join([settings.workers, *listed])

@@ -35,6 +35,8 @@ class WorkerState:
     worker_id: str = ""
     incarnation: str = ""
     models: frozenset[str] = frozenset()
+    # Its pool (--config): as it says, or as the config places its address.
+    pool: str = ""
     last_heartbeat: float = 0.0
     healthy: bool = False
     draining: bool = False
@@ -74,6 +76,8 @@ class Workers:
         self.settings = settings
         self.gateway_id = gateway_id
         self.by_address: dict[str, WorkerState] = {}
+        # Pools of the addresses the config file places (llmgate gateway --config).
+        self.pool_of_address: dict[str, str] = {}
         # Every model a worker has said it serves (metrics label only these).
         self.known_models: set[str] = set()
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -160,9 +164,14 @@ class Workers:
         if worker.incarnation and beat.incarnation != worker.incarnation:
             log.warning("worker %s restarted (new incarnation)", worker.address)
             self._on_lost(worker, "the worker restarted")
+        worker.pool = beat.pool or self.pool_of_address.get(worker.address, "")
         if not worker.healthy:
             log.info(
-                "worker %s (%s) is up, serving %s", worker.address, beat.worker_id, beat.models
+                "worker %s (%s) is up, serving %s%s",
+                worker.address,
+                beat.worker_id,
+                beat.models,
+                f" in pool {worker.pool}" if worker.pool else "",
             )
         if beat.draining and not worker.draining:
             log.info("worker %s is draining", worker.address)

@@ -14,6 +14,9 @@ Scenarios (``--scenario``, default ``all``, run one after the other):
   ``--connections`` (1,000) streams held at once, and ``--soak-duration``
   (30 min) of steady load with the server's memory and file descriptors
   sampled.
+* ``spillover`` (not part of ``all``; ``loadtest.spillover``): bursts beyond
+  the tier-1 pool's slots of the README's two-pools example, with spill-over
+  on and off; latency p50/p99 and which pool answered.
 
 Each run (scenario or sweep step) is its own headless Locust process; the
 first ``--warmup`` seconds of each are not counted. Throughput is the number
@@ -62,6 +65,7 @@ RESULTS_ROOT = ROOT / "loadtest" / "results"
 LOCUSTFILE = ROOT / "loadtest" / "locustfile.py"
 SCENARIOS = ("seed", "chat-stream", "sweep")
 CAPACITY_SCENARIOS = ("connections", "soak")
+SPILLOVER = "spillover"
 # Locust's statistics name for each scenario's main request.
 SEED_NAME = "/v1/completions"
 CHAT_NAME = "/v1/chat/completions (stream)"
@@ -473,7 +477,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = parser.add_argument
-    add("--scenario", choices=[*SCENARIOS, "all", *CAPACITY_SCENARIOS], default="all")
+    add(
+        "--scenario",
+        choices=[*SCENARIOS, "all", *CAPACITY_SCENARIOS, SPILLOVER],
+        default="all",
+    )
     add("--url", default=None, help="load this running server instead of starting llmgate")
     add("--web", action="store_true", help="open Locust's web UI instead of the headless runs")
     add("--web-port", type=int, default=8089, help="port of the web UI")
@@ -493,6 +501,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--soak-users", type=int, default=16, help="closed-loop users (soak)")
     add("--soak-duration", type=float, default=1800.0, help="seconds of load (soak)")
     add("--sample-every", type=float, default=10.0, help="seconds between samples (soak)")
+    add("--bursts", type=int, default=3, help="bursts per mode (spillover)")
+    add("--burst", type=int, default=24, help="requests sent at once per burst (spillover)")
+    add("--burst-tokens", type=int, default=64, help="max_tokens of each (spillover)")
     return parser
 
 
@@ -514,6 +525,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.scenario in CAPACITY_SCENARIOS:
         print(f"{args.scenario}; results: {run_dir}")
         return run_capacity(args, run_dir, started)
+    if args.scenario == SPILLOVER:
+        from loadtest import spillover
+
+        print(f"{args.scenario}; results: {run_dir}")
+        report = spillover.run(run_dir, args.bursts, args.burst, args.burst_tokens)
+        report |= {"date": started.isoformat(), "machine": machine_info(), "versions": versions()}
+        (run_dir / "summary.json").write_text(json.dumps(report, indent=2) + "\n")
+        print(spillover.format_report(report))
+        return 0
     if not args.web:
         runs = plan_runs(args)
         print(f"{len(runs)} runs, {planned_seconds(runs) / 60:.1f} min of load; results: {run_dir}")

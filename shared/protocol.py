@@ -163,6 +163,8 @@ class Heartbeat(_Message, tag="hb"):
     protocol_version: int = PROTOCOL_VERSION
     # vLLM's ``system_fingerprint`` for this engine, echoed in responses.
     system_fingerprint: str = ""
+    # The pool of the config file this worker belongs to ("": none).
+    pool: str = ""
 
 
 ToWorker = Generate | Abort | Ping

@@ -118,6 +118,13 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     log_level: Annotated[str, _help("log level: debug, info, warning, error")] = "info"
     log_format: LogFormat = "text"
     otlp_endpoint: OtlpEndpoint = ""
+    config: Annotated[
+        str,
+        _help(
+            "pools config file (YAML): aliases, auto routing, tiers and spill-over "
+            "between pools; empty = route by the model names workers serve"
+        ),
+    ] = ""
 
 
 class WorkerSettings(msgspec.Struct, kw_only=True):
@@ -157,6 +164,9 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
         str,
         _help("directory of the public key files (*.key) of the gateways this worker accepts"),
     ] = ""
+    pool: Annotated[
+        str, _help("pool this worker belongs to (--config's pool name), told to gateways")
+    ] = ""
     log_format: LogFormat = "text"
     # The log level is vLLM's own --log-level flag (DEBUG, INFO, ...).
 
@@ -174,6 +184,13 @@ class ServeSettings(msgspec.Struct, kw_only=True):
         int, _help("Prometheus port of worker 0 (vLLM's metrics); worker i uses base+i; 0 = off")
     ] = 0
     device: Annotated[str, _help("auto, cpu or gpu: where the workers run")] = "auto"
+    config: Annotated[
+        str,
+        _help(
+            "pools config file (YAML): models, workers and devices per pool, aliases, "
+            "auto routing, tiers; empty = one pool of --num-workers workers"
+        ),
+    ] = ""
     restart_backoff_max: Annotated[
         float, _help("upper bound in seconds of the backoff between worker restarts")
     ] = 30.0

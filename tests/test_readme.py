@@ -1,4 +1,4 @@
-"""The README's settings tables are exactly what the code defines."""
+"""The README's settings tables and its pools example are exactly what the code defines."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from shared import settings
+from shared import config, settings
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
 
 
 @pytest.mark.parametrize(
@@ -22,3 +23,10 @@ def test_settings_table_matches_the_code(cls: type) -> None:
         "README settings table is out of date: regenerate it with "
         "`python -m shared.settings --update README.md`"
     )
+
+
+def test_the_pools_example_is_the_file_in_examples() -> None:
+    """The README's worked config is the one the pools tests run (as printed)."""
+    section = README.split("## Many models behind one URL", 1)[1]
+    block = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    assert config.parse(block) == config.load(ROOT / "examples" / "two-pools.yaml")

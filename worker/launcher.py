@@ -19,6 +19,11 @@
 
 Flags the launcher does not know are passed to every worker: they are vLLM
 engine flags (``--model``, ``--dtype``, ``--max-model-len``, ...).
+
+With ``--config FILE`` (``shared.config``) the workers come from the file's
+pools instead: each pool's workers get its model, served name, engine flags
+(after the command line's, so the pool's win) and devices (GPU ids, or the
+CPU cores each worker is pinned to), and the gateway reads the same file.
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 
+from shared import config as pools_config
 from shared import settings
 from shared.logs import setup_logging
 
@@ -129,12 +136,65 @@ def plan_workers(serve: settings.ServeSettings, engine_args: list[str]) -> list[
     return children
 
 
+def plan_pool_workers(
+    serve: settings.ServeSettings, config: pools_config.Config, engine_args: list[str]
+) -> list[Child]:
+    """The workers of every pool in ``config``, numbered across pools in file order."""
+    gpus = count_gpus() if serve.device in ("auto", "gpu") else 0
+    if serve.device == "gpu" and gpus == 0:
+        raise SystemExit("--device gpu, but no GPU is visible")
+    # Workers whose pool names no devices share what the others leave free.
+    declared = {n for pool in config.pools for d in pool.devices for n in _device_numbers(d)}
+    count = sum(pool.workers for pool in config.pools if not pool.devices)
+    if gpus:
+        ids = [i for i in range(gpus) if i not in declared] or list(range(gpus))
+        undeclared = iter([str(ids[i % len(ids)]) for i in range(count)])
+    else:
+        cores = sorted(os.sched_getaffinity(0))
+        free = [c for c in cores if c not in declared] or cores
+        if count == 0:
+            undeclared = iter([])
+        else:
+            undeclared = iter(cpu_slices(count, free) if count > 1 or declared else [""])
+    children: list[Child] = []
+    for pool in config.pools:
+        for devices in pool.devices or [next(undeclared) for _ in range(pool.workers)]:
+            env = dict(os.environ)
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = devices
+            elif devices:
+                # Pinned to its own cores, none held back for vLLM's front end
+                # (it would be taken from another worker).
+                env["VLLM_CPU_OMP_THREADS_BIND"] = devices
+                env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+            args = [*engine_args, "--served-model-name", pool.model_name, *pool.engine_args]
+            if pool.model:
+                args += ["--model", pool.model]
+            child = _worker_child(len(children), serve, args, env, pool=pool.name)
+            child.name = f"{pool.name}-{child.name}"
+            children.append(child)
+    return children
+
+
+def _device_numbers(devices: str) -> set[int]:
+    """``"0,2-3"`` as ``{0, 2, 3}``."""
+    numbers: set[int] = set()
+    for part in devices.replace(" ", "").split(","):
+        low, _, high = part.partition("-")
+        numbers.update(range(int(low), int(high or low) + 1))
+    return numbers
+
+
 def worker_address(serve: settings.ServeSettings, index: int) -> str:
     return f"tcp://127.0.0.1:{serve.worker_base_port + index}"
 
 
 def _worker_child(
-    index: int, serve: settings.ServeSettings, engine_args: list[str], env: dict[str, str]
+    index: int,
+    serve: settings.ServeSettings,
+    engine_args: list[str],
+    env: dict[str, str],
+    pool: str = "",
 ) -> Child:
     argv = [
         sys.executable,
@@ -149,6 +209,8 @@ def _worker_child(
         "--log-format",
         serve.log_format,
     ]
+    if pool:
+        argv += ["--pool", pool]
     if serve.worker_metrics_port:
         argv += ["--metrics-port", str(serve.worker_metrics_port + index)]
     if serve.otlp_endpoint and not any(a.startswith("--otlp-traces-endpoint") for a in engine_args):
@@ -177,6 +239,8 @@ def _gateway_child(serve: settings.ServeSettings, num_workers: int) -> Child:
         "--otlp-endpoint",
         serve.otlp_endpoint,
     ]
+    if serve.config:
+        argv += ["--config", str(Path(serve.config).resolve())]
     return Child(name="gateway", argv=argv, env=dict(os.environ))
 
 
@@ -331,7 +395,17 @@ def main(argv: list[str] | None = None) -> None:
         setup_logging(serve.log_level, serve.log_format)
     except ValueError as exc:
         sys.exit(f"llmgate serve: {exc}")
-    workers = plan_workers(serve, engine_args)
+    if serve.config:
+        try:
+            config = pools_config.load(serve.config)
+        except pools_config.ConfigError as exc:
+            sys.exit(f"llmgate serve: {exc}")
+        try:
+            workers = plan_pool_workers(serve, config, engine_args)
+        except ValueError as exc:
+            sys.exit(f"llmgate serve: {serve.config}: {exc}")
+    else:
+        workers = plan_workers(serve, engine_args)
     children = [*workers, _gateway_child(serve, len(workers))]
     sys.exit(Supervisor(serve, children).run())
 

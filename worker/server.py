@@ -276,6 +276,7 @@ class WorkerServer:
             max_model_len=self.engine.max_model_len,
             draining=self.draining,
             system_fingerprint=self.engine.system_fingerprint,
+            pool=self.settings.pool,
         )
 
     async def _heartbeat_loop(self) -> None:

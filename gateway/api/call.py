@@ -30,10 +30,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from gateway import errors, metrics, schemas, sse, tracing
+from gateway import cascade, errors, metrics, schemas, sse, tracing
 from gateway.api.http import DisconnectWatch, EventStream, deadline, header
 from gateway.api.request_ids import request_id_of
 from gateway.handle import RequestHandle, WorkerLost
+from gateway.models import Target
 from gateway.pool import Pool
 from gateway.workers import WorkerState
 from shared import protocol
@@ -44,6 +45,12 @@ JSON = "application/json"
 
 SESSION_HEADER = b"x-session-id"
 WORKER_HEADER = "x-llmgate-worker"
+# The served model and the pool that answered (the body's ``model`` stays the
+# requested name, as OpenAI's does), and the auto rule that chose them.
+MODEL_HEADER = "x-llmgate-model"
+POOL_HEADER = "x-llmgate-pool"
+ROUTE_HEADER = "x-llmgate-route"
+CASCADE_HEADER = "x-llmgate-cascade"
 
 
 def pool_of(request: Request) -> Pool:
@@ -74,6 +81,10 @@ class Call:
         # The response is named by the client's id (a retry's wire id has a suffix).
         self.builder.id = self.builder.id_prefix + self.request_id
         self._done = False  # counted in the metrics (_finish)
+        # Which pools may run it (aliases, auto; gateway.models). Resolved in
+        # serve(): an auto rule's metrics count only requests that got there.
+        self.target: Target | None = None
+        self.cascade_outcome = ""  # accepted or escalated (gateway.cascade)
         self.span = tracing.request_span(
             self.request.scope["headers"],
             self.request_id,
@@ -92,6 +103,9 @@ class Call:
         # waiting in the queue, for its worker, or for the first token.
         watch = DisconnectWatch(self.request)
         try:
+            self.target = self.pool.names.resolve(
+                self.body.model, self.raw, self.request.scope["headers"]
+            )
             if self.body.stream:
                 return await self._start_stream(key)
             return await self._complete(key)
@@ -114,13 +128,14 @@ class Call:
 
     # -- attempts ------------------------------------------------------------
 
-    async def _submit(self, key: str | None) -> RequestHandle:
+    async def _submit(self, key: str | None, raw: dict[str, Any]) -> RequestHandle:
         span = self.span
+        assert self.target is not None
         handle = await self.pool.submit(
             self.request_id,
             self.kind,
-            self.body.model,
-            self.raw,
+            self.target,
+            raw,
             self.deadline,
             key,
             exclude=self.tried,
@@ -158,18 +173,59 @@ class Call:
     # -- non-streaming -------------------------------------------------------
 
     async def _complete(self, key: str | None) -> Response:
+        if self.target is not None and self.target.escalate_to is not None:
+            return await self._cascade(key, self.target.escalate_to)
+        handle, usage = await self._attempts(key, self.raw)
+        return self._respond(handle, usage)
+
+    async def _attempts(
+        self, key: str | None, raw: dict[str, Any]
+    ) -> tuple[RequestHandle, protocol.Usage]:
+        """Run the request to its end on a worker (retrying on another one if
+        its worker is lost); its output is in the builder."""
         while True:
-            handle = await self._submit(key)
+            handle = await self._submit(key, raw)
             try:
                 outcome = await self._collect(handle)
             finally:
                 handle.close()
-            if isinstance(outcome, Response):
-                return outcome
+            if isinstance(outcome, protocol.Usage):
+                return handle, outcome
             self._retry_or_raise(handle, outcome)
             self.builder.reset()
 
-    async def _collect(self, handle: RequestHandle) -> Response | protocol.Failed | WorkerLost:
+    def _respond(self, handle: RequestHandle, usage: protocol.Usage) -> Response:
+        self._finish(200, usage)
+        return Response(self.builder.body(usage), media_type=JSON, headers=self._headers(handle))
+
+    async def _cascade(self, key: str | None, escalate_to: Target) -> Response:
+        """The default model's answer if it is good enough, else the escalation
+        target's (``gateway.cascade``)."""
+        assert self.target is not None
+        handle, usage = await self._attempts(key, cascade.with_logprobs(self.kind, self.raw))
+        reason = cascade.shortfall(self.builder, self.raw, self.target.min_mean_logprob)
+        if reason is None:
+            self.cascade_outcome = "accepted"
+            metrics.CASCADE.labels("accepted").inc()
+            return self._respond(handle, usage)
+        log.debug(
+            "cascade: escalating from %s to %s (%s)",
+            self.target.model,
+            escalate_to.model,
+            reason,
+            extra=self.log_extra,
+        )
+        self.cascade_outcome = "escalated"
+        metrics.CASCADE.labels("escalated").inc()
+        self.builder.reset()
+        self.tried = set()
+        self.target = Target(escalate_to.model, escalate_to.tiers, rule=self.target.rule)
+        handle, usage = await self._attempts(key, self.raw)
+        return self._respond(handle, usage)
+
+    async def _collect(
+        self, handle: RequestHandle
+    ) -> protocol.Usage | protocol.Failed | WorkerLost:
         first = True
         while True:
             item = await handle.next()
@@ -179,19 +235,14 @@ class Call:
                 self.span.event("first_token")
                 first = False
             if item.usage is not None:
-                self._finish(200, item.usage)
-                return Response(
-                    self.builder.body(item.usage),
-                    media_type=JSON,
-                    headers={WORKER_HEADER: handle.worker.key},
-                )
+                return item.usage
             self.builder.add(item)
 
     # -- streaming -----------------------------------------------------------
 
     async def _start_stream(self, key: str | None) -> Response:
         while True:
-            handle = await self._submit(key)
+            handle = await self._submit(key, self.raw)
             first: protocol.Delta | protocol.Failed | WorkerLost | None = None
             try:
                 first = await handle.next()
@@ -207,9 +258,21 @@ class Call:
             headers={
                 "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no",
-                WORKER_HEADER: handle.worker.key,
+                **self._headers(handle),
             },
         )
+
+    def _headers(self, handle: RequestHandle) -> dict[str, str]:
+        """Who answered: the worker, its served model and pool, the auto rule."""
+        tier = handle.tier
+        headers = {WORKER_HEADER: handle.worker.key, MODEL_HEADER: tier.model}
+        if tier.pool:
+            headers[POOL_HEADER] = tier.pool
+        if self.target is not None and self.target.rule:
+            headers[ROUTE_HEADER] = self.target.rule
+        if self.cascade_outcome:
+            headers[CASCADE_HEADER] = self.cascade_outcome
+        return headers
 
     def _release_stream(self, handle: RequestHandle) -> None:
         """The response is over and its generator never ran to its finally

@@ -24,9 +24,14 @@ router = APIRouter()
 async def list_models(request: Request) -> Response:
     pool = pool_of(request)
     await pool.wait_for_worker()
+    served = pool.models()
+    # Aliases (``alias_for``) and the auto name (``routes_to``) follow the
+    # models the workers serve (--config).
+    entries: list[dict[str, Any]] = [{"id": model} for model in served]
+    entries += pool.names.listing(served)
     data = [
-        {"id": model, "object": "model", "created": pool.started_at, "owned_by": "llmgate"}
-        for model in pool.models()
+        {"object": "model", "created": pool.started_at, "owned_by": "llmgate", **entry}
+        for entry in entries
     ]
     return Response(sse.encode({"object": "list", "data": data}), media_type=JSON)
 

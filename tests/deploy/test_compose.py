@@ -25,8 +25,9 @@ import yaml
 from compose_spec import PyCompose
 
 from gateway import metrics as gateway_metrics
+from shared import config
 from shared.settings import GatewaySettings, WorkerSettings
-from tests.deploy.helpers import DEPLOY, env_names, load_module
+from tests.deploy.helpers import DEPLOY, ROOT, env_names, load_module
 
 COMPOSE_DIR = DEPLOY / "compose"
 COMPOSE_FILE = COMPOSE_DIR / "compose.yaml"
@@ -291,3 +292,35 @@ def test_docker_compose_config_reads_it_the_same_way(tmp_path: Path) -> None:
         }, name
         assert gpu_devices(theirs[name]) == gpu_devices(service), name
     assert theirs["gateway"]["ports"] == [{"published": 9000, "target": 8000}]
+
+
+@pytest.mark.parametrize("cpu", [False, True])
+def test_a_pools_config_gets_a_worker_service_per_pool_worker(cpu: bool) -> None:
+    example = ROOT / "examples" / "two-pools.yaml"
+    model = load(generate.render_pools(str(example), cpu=cpu))
+    pool_workers = {n: s for n, s in workers(model).items() if "LLMGATE_POOL" in s["environment"]}
+    assert sorted(pool_workers) == ["worker-large-0", "worker-small-0"]
+    expected = {"small": ("smollm2-bf16", "0"), "large": ("smollm2-f32", "1")}
+    for name, service in pool_workers.items():
+        pool = service["environment"]["LLMGATE_POOL"]
+        served, devices = expected[pool]
+        command = service["command"]
+        assert command[command.index("--served-model-name") + 1] == served, name
+        assert "profiles" not in service  # `up` starts them
+        if cpu:
+            assert service["environment"]["VLLM_CPU_OMP_THREADS_BIND"] == devices
+            assert service["cpuset"] == devices and not gpu_devices(service)
+        else:
+            (device,) = gpu_devices(service)
+            assert device["device_ids"] == [devices]
+        names = {k for k in service["environment"] if k.startswith("LLMGATE_")}
+        assert names <= env_names(WorkerSettings), name
+    # The gateway reads the same file, inlined as a Compose config.
+    gateway = model["services"]["gateway"]
+    (mount,) = gateway["configs"]
+    assert gateway["environment"]["LLMGATE_CONFIG"] == mount["target"]
+    content = model["configs"][mount["source"]]["content"]
+    assert config.parse(content) == config.load(example)
+    assert {k for k in gateway["environment"] if k.startswith("LLMGATE_")} <= env_names(
+        GatewaySettings
+    )

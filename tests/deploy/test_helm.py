@@ -23,6 +23,7 @@ import msgspec
 import pytest
 import yaml
 
+from shared import config
 from shared.settings import GatewaySettings, WorkerSettings
 from tests.deploy.helpers import DEPLOY, env_names
 
@@ -308,9 +309,85 @@ def test_the_dashboard_configmap_is_the_dashboard_file() -> None:
     assert json.loads(dashboard["data"]["llmgate.json"]) == shipped
 
 
+# Two pools (README "Many models behind one URL"): GPU workers, and CPU ones
+# that take their spill-over.
+TWO_POOLS: dict[str, Any] = {
+    "pools": [
+        {
+            "name": "small",
+            "servedModelName": "llama-8b",
+            "model": "meta-llama/Llama-3.1-8B-Instruct",
+            "replicas": 4,
+            "args": ["--max-model-len", "8192"],
+            "spillAfter": 0,
+        },
+        {
+            "name": "small-cpu",
+            "servedModelName": "llama-8b-cpu",
+            "tier": 2,
+            "substituteFor": ["llama-8b"],
+            "image": {"repository": "llmgate/worker-cpu"},
+            "gpu": {"enabled": False},
+            "replicas": 1,
+        },
+    ],
+    "aliases": {"fast": "llama-8b"},
+    "auto": {"default": "fast", "rules": [{"use": "llama-8b-cpu", "max_tokens_over": 512}]},
+}
+
+
+def test_each_pool_is_a_statefulset_and_a_service_the_gateways_config_names() -> None:
+    objects = render(TWO_POOLS)
+    for obj in objects:
+        if not obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            for version in K8S_VERSIONS:
+                kubernetes_validate.validate(obj, version, strict=True)
+    gateway = one(objects, "Deployment", "gateway")
+    env = environment(objects, gateway)
+    addresses = [urlsplit(a) for a in env["LLMGATE_WORKERS"].split(",")]
+    services = {s["metadata"]["name"]: s for s in of_kind(objects, "Service", "worker")}
+    sets = {s["metadata"]["name"]: s for s in of_kind(objects, "StatefulSet", "worker")}
+    assert len(sets) == len(services) == len(addresses) == 2
+    for pool, address in zip(TWO_POOLS["pools"], addresses, strict=True):
+        workers = sets[f"demo-llmgate-worker-{pool['name']}"]
+        service = services[(address.hostname or "").split(".")[0]]
+        assert workers["spec"]["serviceName"] == service["metadata"]["name"]
+        assert workers["spec"]["replicas"] == pool["replicas"]
+        pod_labels = workers["spec"]["template"]["metadata"]["labels"]
+        assert selects(service["spec"]["selector"], pod_labels)
+        # Each service selects its own pool's pods only.
+        others = [s for s in sets.values() if s is not workers]
+        assert not any(
+            selects(service["spec"]["selector"], o["spec"]["template"]["metadata"]["labels"])
+            for o in others
+        )
+        c = container(workers)
+        assert {"name": "LLMGATE_POOL", "value": pool["name"]} in c["env"]
+        args = c["args"]
+        assert args[args.index("--served-model-name") + 1] == pool["servedModelName"]
+        if "model" in pool:
+            assert args[args.index("--model") + 1] == pool["model"]
+        gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
+        assert gpus == (None if pool["name"] == "small-cpu" else 1)
+    # The gateway reads the same pools, aliases and auto rules (shared/config.py).
+    (pools_map,) = [c for c in of_kind(objects, "ConfigMap") if "pools.yaml" in c["data"]]
+    parsed = config.parse(pools_map["data"]["pools.yaml"], "pools.yaml")
+    assert [(p.name, p.model_name, p.tier) for p in parsed.pools] == [
+        ("small", "llama-8b", 1),
+        ("small-cpu", "llama-8b-cpu", 2),
+    ]
+    assert parsed.pools[0].spill_after == 0 and parsed.pools[1].substitute_for == ["llama-8b"]
+    assert parsed.aliases == {"fast": "llama-8b"}
+    assert parsed.auto is not None and parsed.auto.rules[0].max_tokens_over == 512
+    mounts = {m["name"]: m["mountPath"] for m in container(gateway)["volumeMounts"]}
+    assert env["LLMGATE_CONFIG"] == f"{mounts['pools']}/pools.yaml"
+
+
 @pytest.mark.parametrize(
     "values",
     [
+        {"pools": [{"name": "Not_A_DNS_Label"}]},
+        {"pools": [{"name": "a", "tier": 0}]},
         {"worker": {"replicas": "two"}},
         {"gateway": {"prot": 8000}},
         {"worker": {"port": 0}},

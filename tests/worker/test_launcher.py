@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
+from shared import config
 from shared.settings import ServeSettings
 from worker import launcher
 
@@ -52,3 +57,53 @@ def test_worker_metrics_ports_follow_the_base(monkeypatch: pytest.MonkeyPatch) -
     children = launcher.plan_workers(ServeSettings(worker_metrics_port=8100), [])
     ports = [c.argv[c.argv.index("--metrics-port") + 1] for c in children]
     assert ports == ["8100", "8101"]
+
+
+POOLS = """\
+pools:
+  - {name: small, served_model_name: s, engine_args: [--dtype, bfloat16], devices: ["0"]}
+  - {name: big, model: /models/big, workers: 2, tier: 2}
+"""
+
+
+def test_pools_get_their_models_flags_and_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda _pid: {0, 1, 2})
+    children = launcher.plan_pool_workers(ServeSettings(), config.parse(POOLS), ["--enforce-eager"])
+    assert [c.name for c in children] == ["small-worker-0", "big-worker-1", "big-worker-2"]
+    small, big, _ = children
+    # The command line's flags first, the pool's after (so the pool's win).
+    assert small.argv[small.argv.index("--enforce-eager") :] == [
+        "--enforce-eager",
+        "--served-model-name",
+        "s",
+        "--dtype",
+        "bfloat16",
+    ]
+    assert big.argv[-4:] == ["--served-model-name", "big", "--model", "/models/big"]
+    assert [c.argv[c.argv.index("--pool") + 1] for c in children] == ["small", "big", "big"]
+    # Declared cores as given; the other pools' workers split what is left.
+    assert [c.env["VLLM_CPU_OMP_THREADS_BIND"] for c in children] == ["0", "1", "2"]
+    binds = [c.argv[c.argv.index("--bind") + 1] for c in children]
+    assert binds == [f"tcp://127.0.0.1:{5550 + i}" for i in range(3)]
+
+
+def test_pool_devices_are_gpu_ids_on_a_gpu_box(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    children = launcher.plan_pool_workers(ServeSettings(), config.parse(POOLS), [])
+    assert [c.env["CUDA_VISIBLE_DEVICES"] for c in children] == ["0", "1", "2"]
+
+
+def test_a_bad_config_is_one_clear_error_and_starts_nothing(tmp_path: Path) -> None:
+    bad = tmp_path / "pools.yaml"
+    bad.write_text("pools:\n  - name: small\n    workers: two\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "worker.launcher", "--config", str(bad)],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert f"{bad}:3: pools[0].workers: Expected int, got str" in done.stderr
+    assert "starting" not in done.stderr  # no worker, no gateway

@@ -30,10 +30,49 @@
 {{- printf "%s-workers" (include "llmgate.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
-{{/* What the gateway's --workers names: one DNS name, one worker per pod IP. */}}
+{{/* What the gateway's --workers names: one DNS name per pool, one worker per pod IP. */}}
 {{- define "llmgate.workersAddress" -}}
-{{- printf "tcp://%s.%s.svc.%s:%d" (include "llmgate.workersServiceName" .) .Release.Namespace .Values.clusterDomain (int .Values.worker.port) }}
+{{- $addresses := list }}
+{{- range $pool := include "llmgate.pools" . | fromYamlArray }}
+{{- $service := printf "%s%s" (include "llmgate.workersServiceName" $) (ternary (printf "-%s" $pool.name) "" (not (empty $pool.name))) }}
+{{- $addresses = append $addresses (printf "tcp://%s.%s.svc.%s:%d" $service $.Release.Namespace $.Values.clusterDomain (int $.Values.worker.port)) }}
 {{- end }}
+{{- join "," $addresses }}
+{{- end }}
+
+{{/* The pools as a YAML list: `pools`, or one unnamed pool of `worker`. */}}
+{{- define "llmgate.pools" -}}
+{{- if .Values.pools }}
+{{- toYaml .Values.pools }}
+{{- else }}
+{{- toYaml (list (dict "name" "")) }}
+{{- end }}
+{{- end }}
+
+{{/* The label that tells one pool's worker pods from another's (none without pools). */}}
+{{- define "llmgate.poolLabel" -}}
+{{- with .name }}
+llmgate.io/pool: {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{/* The gateway's pools file (shared/config.py): pools, aliases, auto. */}}
+{{- define "llmgate.poolsConfig" -}}
+{{- $pools := list }}
+{{- range .Values.pools }}
+{{- $p := dict "name" .name "tier" (int (default 1 .tier)) }}
+{{- with .servedModelName }}{{ $_ := set $p "served_model_name" . }}{{ end }}
+{{- if hasKey . "spillAfter" }}{{ $_ := set $p "spill_after" .spillAfter }}{{ end }}
+{{- with .substituteFor }}{{ $_ := set $p "substitute_for" . }}{{ end }}
+{{- $pools = append $pools $p }}
+{{- end }}
+{{- $config := dict "pools" $pools }}
+{{- with .Values.aliases }}{{ $_ := set $config "aliases" . }}{{ end }}
+{{- with .Values.auto }}{{ $_ := set $config "auto" . }}{{ end }}
+{{- toYaml $config }}
+{{- end }}
+
+{{- define "llmgate.poolsConfigDir" -}}/etc/llmgate/config{{- end }}
 
 {{- define "llmgate.secretName" -}}
 {{- default (printf "%s-secrets" (include "llmgate.fullname" .)) .Values.secrets.existingSecret }}

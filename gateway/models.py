@@ -1,0 +1,269 @@
+"""Model names: which pools a request's ``model`` may run on, in tier order.
+
+A request names a served model, an alias of one, or the ``auto`` name
+(``shared.config``). :meth:`Models.resolve` turns that into a
+:class:`Target`: the served model and the pools that may run it, first the
+pools that serve it (by tier), then those the config declares as its
+substitutes. Admission (``gateway.admission``) starts the request on the
+first tier with a free slot it may use; the later tiers only take it by
+spill-over. Without a config file every name is its own target, served by
+whichever workers say they serve it (and a name no worker serves is a 404
+there, as before).
+
+``auto`` evaluates the config's rules in order, first match wins: prompt
+length in tokens, ``max_tokens``, ``response_format``/``tools`` present,
+request headers; no match takes the default (and, for a non-streaming
+request with a cascade configured, may escalate: ``gateway.cascade``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gateway import metrics
+from shared import config as pools_config
+
+log = logging.getLogger(__name__)
+
+# Characters per token when no tokenizer is at hand (English text, roughly).
+CHARS_PER_TOKEN = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Tier:
+    """One pool a target may run on."""
+
+    # The pool's name; "" = any worker serving ``model`` (no config).
+    pool: str
+    # The served model name its workers know the request by.
+    model: str
+    tier: int = 1
+    # Seconds a request waits for this pool before it may spill to the next
+    # tiers (None: never).
+    spill_after: float | None = None
+
+    @property
+    def label(self) -> str:
+        """The pool's name in metrics (the model's when there is no config)."""
+        return self.pool or self.model
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where one request may run: its served model's pools, home tier first."""
+
+    model: str
+    tiers: tuple[Tier, ...]
+    # The auto rule that chose it ("default" when none matched), or "".
+    rule: str = ""
+    # Auto's default route with a cascade: where to escalate, and the bar.
+    escalate_to: Target | None = None
+    min_mean_logprob: float = 0.0
+
+
+@dataclass
+class Models:
+    config: pools_config.Config | None = None
+    # Counts a prompt's tokens for `prompt_tokens_over` (None: estimate).
+    count_tokens: Any = None
+    _targets: dict[str, Target] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.config is None:
+            return
+        for name in self.config.served_models():
+            self._targets[name] = self._served(name)
+        for alias, served in self.config.aliases.items():
+            self._targets[alias] = self._targets[served]
+        auto = self.config.auto
+        if auto is not None and any(r.prompt_tokens_over is not None for r in auto.rules):
+            self.count_tokens = self.count_tokens or load_token_counter(auto.tokenizer)
+
+    @classmethod
+    def from_file(cls, path: str) -> Models:
+        return cls(pools_config.load(path)) if path else cls()
+
+    # -- names ---------------------------------------------------------------
+
+    @property
+    def auto_name(self) -> str | None:
+        auto = self.config.auto if self.config else None
+        return auto.name if auto else None
+
+    def aliases(self) -> dict[str, str]:
+        return dict(self.config.aliases) if self.config else {}
+
+    def declared(self) -> list[str]:
+        """Served model names the config declares (whether or not a worker is up)."""
+        return self.config.served_models() if self.config else []
+
+    def pool_of_address(self) -> dict[str, str]:
+        """``tcp://`` address -> pool, for workers the config places (llmgate gateway)."""
+        if self.config is None:
+            return {}
+        return {
+            normalize_address(a): pool.name for pool in self.config.pools for a in pool.addresses
+        }
+
+    def addresses(self) -> list[str]:
+        return list(self.pool_of_address())
+
+    # -- resolution ------------------------------------------------------------
+
+    def resolve(
+        self, model: str, raw: dict[str, Any], headers: Iterable[tuple[bytes, bytes]]
+    ) -> Target:
+        """The target of a request for ``model`` (its body ``raw``, its ASGI headers)."""
+        target = self._targets.get(model)
+        if target is not None:
+            return target
+        if model == self.auto_name:
+            return self._auto(raw, headers)
+        # Not declared: whichever workers serve it (LoRA adapters, or no config).
+        return Target(model, (Tier("", model),))
+
+    def _served(self, name: str) -> Target:
+        assert self.config is not None
+        pools = self.config.pools
+        serving = sorted((p for p in pools if p.model_name == name), key=lambda p: p.tier)
+        home_tier = serving[0].tier
+        substitutes = sorted(
+            (p for p in pools if name in p.substitute_for and p.tier >= home_tier),
+            key=lambda p: p.tier,
+        )
+        tiers = tuple(
+            Tier(p.name, p.model_name, p.tier, p.spill_after) for p in serving + substitutes
+        )
+        return Target(name, tiers)
+
+    def _auto(self, raw: dict[str, Any], headers: Iterable[tuple[bytes, bytes]]) -> Target:
+        assert self.config is not None and self.config.auto is not None
+        auto = self.config.auto
+        wanted = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers}
+        for index, rule in enumerate(auto.rules):
+            name = rule.name or f"rule-{index + 1}"
+            if self._matches(rule, raw, wanted):
+                return self._chosen(rule.use, name)
+        chosen = self._chosen(auto.default, "default")
+        cascade = auto.cascade
+        if cascade is None or raw.get("stream"):
+            return chosen
+        escalate = self._targets[cascade.escalate_to]
+        return Target(
+            chosen.model,
+            chosen.tiers,
+            rule="default",
+            escalate_to=escalate,
+            min_mean_logprob=cascade.min_mean_logprob,
+        )
+
+    def _chosen(self, use: str, rule: str) -> Target:
+        target = self._targets[use]
+        metrics.child(metrics.AUTO_ROUTES, rule, target.tiers[0].label).inc()
+        log.debug("auto: rule %s chose %s (pool %s)", rule, target.model, target.tiers[0].label)
+        return Target(target.model, target.tiers, rule=rule)
+
+    def _matches(
+        self, rule: pools_config.Rule, raw: dict[str, Any], headers: dict[str, str]
+    ) -> bool:
+        if rule.has_response_format is not None:
+            if (raw.get("response_format") is not None) != rule.has_response_format:
+                return False
+        if rule.has_tools is not None:
+            if bool(raw.get("tools")) != rule.has_tools:
+                return False
+        for name, value in rule.headers.items():
+            if headers.get(name.lower()) != value:
+                return False
+        if rule.max_tokens_over is not None:
+            asked = raw.get("max_tokens") or raw.get("max_completion_tokens")
+            parameters = raw.get("parameters")
+            if asked is None and isinstance(parameters, dict):
+                asked = parameters.get("max_new_tokens")  # TGI
+            if not isinstance(asked, int) or asked <= rule.max_tokens_over:
+                return False
+        if rule.prompt_tokens_over is not None:
+            if self.prompt_tokens(raw) <= rule.prompt_tokens_over:
+                return False
+        return True
+
+    def prompt_tokens(self, raw: dict[str, Any]) -> int:
+        """The prompt's length in tokens: of a chat, its messages' text (without
+        the chat template's own tokens); token-id prompts count as given."""
+        prompt = raw.get("prompt", raw.get("inputs"))
+        texts: list[str] = []
+        ids = 0
+        if isinstance(prompt, str):
+            texts.append(prompt)
+        elif isinstance(prompt, list):
+            for item in prompt:
+                if isinstance(item, str):
+                    texts.append(item)
+                elif isinstance(item, int):
+                    ids += 1
+                elif isinstance(item, list):
+                    ids += len(item)
+        for message in raw.get("messages") or []:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                texts.append(content)
+            elif isinstance(content, list):
+                texts += [p.get("text", "") for p in content if isinstance(p, dict)]
+        text = "\n".join(t for t in texts if isinstance(t, str))
+        if self.count_tokens is not None:
+            return ids + int(self.count_tokens(text))
+        return ids + -(-len(text) // CHARS_PER_TOKEN)
+
+    # -- /v1/models ------------------------------------------------------------
+
+    def listing(self, served: list[str]) -> list[dict[str, Any]]:
+        """Extra entries of ``/v1/models`` beside the ``served`` models: aliases
+        (``alias_for``) and the auto name (``routes_to``)."""
+        out: list[dict[str, Any]] = []
+        for alias, target in self.aliases().items():
+            out.append({"id": alias, "alias_for": target})
+        auto = self.config.auto if self.config else None
+        if auto is not None:
+            uses = [r.use for r in auto.rules] + [auto.default]
+            if auto.cascade is not None:
+                uses.append(auto.cascade.escalate_to)
+            out.append({"id": auto.name, "routes_to": list(dict.fromkeys(uses))})
+        return out
+
+
+def normalize_address(address: str) -> str:
+    return address if "://" in address else f"tcp://{address}"
+
+
+def load_token_counter(tokenizer: str) -> Any:
+    """A function text -> token count, from ``tokenizer`` (a model directory or a
+    tokenizer.json) or the embedded model's; None (estimate) if there is none."""
+    path = Path(tokenizer) if tokenizer else _embedded_tokenizer()
+    if path is not None and path.is_dir():
+        path = path / "tokenizer.json"
+    if path is None or not path.is_file():
+        if tokenizer:
+            raise pools_config.ConfigError(f"auto.tokenizer: no tokenizer.json at {tokenizer}")
+        log.warning(
+            "auto: no tokenizer for prompt_tokens_over; estimating %d characters a token",
+            CHARS_PER_TOKEN,
+        )
+        return None
+    from tokenizers import Tokenizer
+
+    loaded = Tokenizer.from_file(str(path))
+    log.info("auto: counting prompt tokens with %s", path)
+    return lambda text: len(loaded.encode(text, add_special_tokens=False).ids)
+
+
+def _embedded_tokenizer() -> Path | None:
+    try:
+        from worker.embedded_model import default_model_dir
+    except ImportError:
+        return None
+    directory = default_model_dir()
+    return directory if directory.is_dir() else None

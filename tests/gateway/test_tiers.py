@@ -1,0 +1,150 @@
+"""gateway/admission.py with pools and tiers: spill-over to a later tier, never elsewhere."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from gateway import errors, metrics
+from gateway.models import Models
+from gateway.pool import Pool
+from gateway.workers import WorkerState
+from shared import config, protocol
+from shared.settings import GatewaySettings
+
+CONFIG = """\
+pools:
+  - {name: home, served_model_name: m, spill_after: %s}
+  - {name: spare, served_model_name: m2, tier: 2, substitute_for: [m]}
+  - {name: other, served_model_name: m3, tier: 2}
+"""
+
+
+class Link(SimpleNamespace):
+    def send(self, message: Any) -> None:
+        self.sent.append(message)
+
+
+def worker(
+    pool: Pool, name: str, model: str, capacity: int, in_pool: str | None = None
+) -> WorkerState:
+    state = WorkerState(link=Link(address=f"tcp://{name}:5550", sent=[]))  # type: ignore[arg-type]
+    pool.workers.by_address[state.address] = state
+    beat = protocol.Heartbeat(name, "i", [model], capacity=capacity, pool=in_pool or name)
+    pool.workers.on_heartbeat(state, beat)
+    return state
+
+
+async def make_pool(spill_after: str) -> Pool:
+    models = Models(config.parse(CONFIG % spill_after))
+    pool = Pool(GatewaySettings(queue_timeout=30), models=models)
+    worker(pool, "home", "m", capacity=1)
+    worker(pool, "spare", "m2", capacity=1)
+    worker(pool, "other", "m3", capacity=4)
+    return pool
+
+
+def spilled() -> float:
+    return metrics.child(metrics.SPILLOVER, "home", "spare")._value.get()  # type: ignore[attr-defined]
+
+
+async def submit(pool: Pool, rid: str) -> Any:
+    return await pool.submit(rid, "completion", pool.names.resolve("m", {}, []), {}, 0.0)
+
+
+async def test_a_full_home_pool_spills_at_once_with_spill_after_zero() -> None:
+    pool = await make_pool("0")
+    before = spilled()
+    first = await submit(pool, "a")
+    second = await submit(pool, "b")
+    assert first.worker.pool == "home" and first.tier.model == "m"
+    # Sent to the substitute under the substitute's own served name.
+    assert second.worker.pool == "spare" and second.tier.model == "m2"
+    assert second.worker.link.sent[-1].model == "m2"
+    assert spilled() == before + 1
+    # Both full: the third waits, and takes whichever slot frees first.
+    third = asyncio.create_task(submit(pool, "c"))
+    await asyncio.sleep(0)
+    assert not third.done() and pool.admission.pool(first.tier).queued == 1
+    second.close()
+    assert (await third).worker.pool == "spare"
+    first.close()
+    pool.workers.ctx.term()
+
+
+async def test_without_spill_after_a_request_waits_for_its_home_pool() -> None:
+    pool = await make_pool("null")
+    first = await submit(pool, "a")
+    waiting = asyncio.create_task(submit(pool, "b"))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # the spare's free slot is not for it
+    first.close()
+    assert (await waiting).worker.pool == "home"
+    pool.workers.ctx.term()
+
+
+async def test_spill_after_lets_a_request_wait_that_long_first() -> None:
+    pool = await make_pool("0.2")
+    first = await submit(pool, "a")
+    # Its expected wait is unknown (no request has finished): it queues,
+    # then takes the spare's slot once it has waited 0.2 s.
+    second = await submit(pool, "b")
+    assert second.worker.pool == "spare"
+    first.close()
+    second.close()
+    pool.workers.ctx.term()
+
+
+async def test_a_queued_request_keeps_its_place_over_a_newcomer() -> None:
+    pool = await make_pool("null")
+    first = await submit(pool, "a")
+    queued = asyncio.create_task(submit(pool, "b"))
+    await asyncio.sleep(0)
+    first.close()
+    newcomer = asyncio.create_task(submit(pool, "c"))
+    assert (await queued).worker.pool == "home"
+    await asyncio.sleep(0.05)
+    assert not newcomer.done()
+    newcomer.cancel()
+    pool.workers.ctx.term()
+
+
+async def test_no_pool_the_config_does_not_declare_as_substitute_takes_a_request() -> None:
+    pool = await make_pool("0")
+    # `other` has free slots but is no substitute for m; the spare is busy.
+    spare_user = await pool.submit("s", "completion", pool.names.resolve("m2", {}, []), {}, 0.0)
+    first = await submit(pool, "a")
+    waiting = asyncio.create_task(submit(pool, "b"))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    spare_user.close()
+    assert (await waiting).worker.pool == "spare"
+    first.close()
+    pool.workers.ctx.term()
+
+
+async def test_an_unknown_model_is_a_404_even_with_pools() -> None:
+    pool = await make_pool("0")
+    with pytest.raises(errors.ModelNotFound):
+        await pool.submit("x", "completion", pool.names.resolve("nope", {}, []), {}, 0.0)
+    pool.workers.ctx.term()
+
+
+async def test_requests_queued_for_a_pool_start_when_its_worker_comes_up() -> None:
+    pool = await make_pool("null")
+    home = pool.workers.by_address["tcp://home:5550"]
+    first = await submit(pool, "a")
+    queued = [asyncio.create_task(submit(pool, r)) for r in ("b", "c")]
+    await asyncio.sleep(0)
+    # A second worker of the home pool comes up with room for one: the first
+    # in line gets it, the other keeps waiting.
+    late = worker(pool, "home2", "m", capacity=1, in_pool="home")
+    assert (await queued[0]).worker is late
+    await asyncio.sleep(0.05)
+    assert not queued[1].done()
+    first.close()
+    assert (await queued[1]).worker is home
+    pool.workers.ctx.term()

@@ -1,0 +1,164 @@
+"""Many models behind one URL, real engines: ``llmgate serve --config examples/two-pools.yaml``.
+
+The README's worked example, as printed: the embedded model in bfloat16
+(pool ``small``, 4 slots, core 0) and in float32 (pool ``large``, tier 2 and
+the small pool's substitute, core 1). Names, aliases, ``auto`` rules,
+cascade and spill-over, each checked through the response headers that say
+who answered. Slow: two more engines start for this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import ROOT, Served, start_serve, stop_serve
+from tests.integration.test_pool import metric
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE = ROOT / "examples" / "two-pools.yaml"
+
+
+@pytest.fixture(scope="module")
+def pools(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    log_path = tmp_path_factory.mktemp("pools") / "serve.log"
+    running = start_serve(log_path, "--config", str(EXAMPLE), num_workers=2)
+    try:
+        yield running
+    finally:
+        stop_serve(running)
+
+
+def post(served: Served, body: dict, headers: dict[str, str] | None = None) -> httpx.Response:
+    response = httpx.post(
+        f"{served.base_url}/v1/completions", json=body, headers=headers, timeout=120
+    )
+    assert response.status_code == 200, response.text
+    return response
+
+
+def test_the_model_list_shows_both_pools_the_aliases_and_auto(pools: Served) -> None:
+    listed = {m["id"]: m for m in httpx.get(f"{pools.base_url}/v1/models").json()["data"]}
+    assert {"smollm2-bf16", "smollm2-f32", "fast", "accurate", "auto"} <= listed.keys()
+    assert listed["fast"]["alias_for"] == "smollm2-bf16"
+    assert listed["accurate"]["alias_for"] == "smollm2-f32"
+    assert "alias_for" not in listed["smollm2-f32"]
+    assert set(listed["auto"]["routes_to"]) == {"fast", "accurate"}
+    # The OpenAI SDK reads the list as it reads OpenAI's.
+    client = openai.OpenAI(base_url=f"{pools.base_url}/v1", api_key="none")
+    assert {"smollm2-bf16", "fast", "auto"} <= {m.id for m in client.models.list()}
+
+
+@pytest.mark.parametrize(
+    ("asked", "served", "pool"),
+    [
+        ("smollm2-f32", "smollm2-f32", "large"),
+        ("smollm2-bf16", "smollm2-bf16", "small"),
+        ("fast", "smollm2-bf16", "small"),
+        ("accurate", "smollm2-f32", "large"),
+    ],
+)
+def test_a_name_or_alias_lands_on_its_pool(
+    pools: Served, asked: str, served: str, pool: str
+) -> None:
+    response = post(pools, {"model": asked, "prompt": "The capital of France is", "max_tokens": 4})
+    assert response.headers["x-llmgate-model"] == served
+    assert response.headers["x-llmgate-pool"] == pool
+    assert response.json()["model"] == asked  # as OpenAI: the name the client used
+    assert response.json()["choices"][0]["text"].strip()
+
+
+def test_a_stream_says_who_answers_too(pools: Served) -> None:
+    body = {"model": "accurate", "prompt": "Hi", "max_tokens": 4, "stream": True}
+    url = f"{pools.base_url}/v1/completions"
+    with httpx.stream("POST", url, json=body, timeout=120) as response:
+        assert response.status_code == 200
+        assert response.headers["x-llmgate-model"] == "smollm2-f32"
+        assert "data: [DONE]" in response.read().decode()
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "rule", "served"),
+    [
+        ({"prompt": "Hi"}, {"x-llmgate-tier": "expensive"}, "asked-for-accuracy", "smollm2-f32"),
+        ({"prompt": "word " * 300}, {}, "long-prompt", "smollm2-f32"),
+        (
+            {"prompt": "Hi", "response_format": {"type": "json_object"}},
+            {},
+            "structured",
+            "smollm2-f32",
+        ),
+        ({"prompt": "Hi", "stream": False, "temperature": 0}, {}, "default", None),
+    ],
+)
+def test_auto_routes_by_the_configs_rules(
+    pools: Served, body: dict, headers: dict[str, str], rule: str, served: str | None
+) -> None:
+    response = post(pools, {"model": "auto", "max_tokens": 4, **body}, headers)
+    assert response.headers["x-llmgate-route"] == rule
+    if served is not None:
+        assert response.headers["x-llmgate-model"] == served
+        assert "x-llmgate-cascade" not in response.headers  # only the default route cascades
+    assert response.json()["model"] == "auto"
+
+
+def test_a_confident_cheap_answer_is_kept(pools: Served) -> None:
+    before = metric(pools.base_url, "llmgate_cascade_total", outcome="accepted") or 0
+    response = post(
+        pools,
+        {"model": "auto", "prompt": "The capital of France is", "max_tokens": 2, "temperature": 0},
+    )
+    assert response.headers["x-llmgate-cascade"] == "accepted"
+    assert response.headers["x-llmgate-model"] == "smollm2-bf16"
+    assert "Paris" in response.json()["choices"][0]["text"]
+    # Logprobs were asked for the cascade's sake, not shown: the client did not ask.
+    assert response.json()["choices"][0]["logprobs"] is None
+    assert metric(pools.base_url, "llmgate_cascade_total", outcome="accepted") == before + 1
+
+
+def test_an_unsure_cheap_answer_escalates(pools: Served) -> None:
+    before = metric(pools.base_url, "llmgate_cascade_total", outcome="escalated") or 0
+    # Sampled far from the model's own choices (temperature 2): its tokens'
+    # logprobs are low, well under the example's -1.0.
+    body = {"model": "auto", "prompt": "zq xv", "max_tokens": 8, "temperature": 2.0, "seed": 7}
+    response = post(pools, body)
+    assert response.headers["x-llmgate-cascade"] == "escalated"
+    assert response.headers["x-llmgate-model"] == "smollm2-f32"
+    assert response.headers["x-llmgate-route"] == "default"
+    assert metric(pools.base_url, "llmgate_cascade_total", outcome="escalated") == before + 1
+
+
+def test_an_unknown_model_is_a_404(pools: Served) -> None:
+    response = httpx.post(
+        f"{pools.base_url}/v1/completions", json={"model": "gpt-9", "prompt": "Hi"}, timeout=30
+    )
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "model_not_found"
+
+
+async def test_a_burst_beyond_the_small_pools_slots_spills_to_tier_2(pools: Served) -> None:
+    labels = {"from_pool": "small", "to_pool": "large"}
+    before = metric(pools.base_url, "llmgate_spillover_total", **labels) or 0
+    # 12 requests at once for the small pool's 4 slots; each runs long enough
+    # (64 tokens, no early stop) that the first 4 still hold their slots.
+    body = {"model": "fast", "prompt": "Count:", "max_tokens": 64, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=pools.base_url, timeout=300) as client:
+        responses = await asyncio.gather(
+            *(client.post("/v1/completions", json=body) for _ in range(12))
+        )
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    by_pool = [r.headers["x-llmgate-pool"] for r in responses]
+    assert by_pool.count("small") >= 1 and by_pool.count("large") >= 1, by_pool
+    for response in responses:
+        expected = (
+            "smollm2-f32" if response.headers["x-llmgate-pool"] == "large" else "smollm2-bf16"
+        )
+        assert response.headers["x-llmgate-model"] == expected
+        assert response.json()["usage"]["completion_tokens"] == 64
+    spilled = metric(pools.base_url, "llmgate_spillover_total", **labels)
+    assert spilled == before + by_pool.count("large")
