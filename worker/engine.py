@@ -28,10 +28,21 @@ log = logging.getLogger(__name__)
 
 
 def add_engine_args(parser: Any) -> None:
-    """Every vLLM engine flag (``--model``, ``--dtype``, ``--max-model-len``, ...)."""
+    """Every vLLM engine flag (``--model``, ``--dtype``, ``--max-model-len``, ...),
+    and ``vllm serve``'s ``--lora-modules``."""
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import LoRAParserAction
 
     AsyncEngineArgs.add_cli_args(parser)
+    parser.add_argument(
+        "--lora-modules",
+        type=str,
+        default=None,
+        nargs="+",
+        action=LoRAParserAction,
+        help="LoRA adapters to serve as models of their own, as `vllm serve`: "
+        'name=path, or JSON {"name": ..., "path": ...}; turns on --enable-lora',
+    )
 
 
 class LoadTracker:
@@ -113,6 +124,12 @@ class Engine:
             if isinstance(self.model_config.served_model_name, list)
             else [self.model_config.served_model_name or self.model_config.model]
         )
+        # LoRA adapters (--lora-modules) are models of this worker too: a
+        # request names one, and its requests run with that adapter.
+        self.loras = _lora_requests(getattr(namespace, "lora_modules", None))
+        self.served_model_names += [
+            name for name in self.loras if name not in self.served_model_names
+        ]
         self.max_model_len: int = self.model_config.max_model_len
         self.limits = limits or Limits()
         self.max_num_seqs: int = self.llm.vllm_config.scheduler_config.max_num_seqs
@@ -194,6 +211,7 @@ class Engine:
         request_id: str,
         prompts: list[PreparedPrompt],
         trace: dict[str, str] | None = None,
+        model: str = "",
     ) -> AsyncIterator[list[protocol.Delta]]:
         """Run every prompt of one request; yield its deltas as they come.
 
@@ -204,9 +222,14 @@ class Engine:
         """
         from vllm.utils.async_utils import merge_async_iterators
 
+        lora = self.loras.get(model)
         generators = [
             self.llm.generate(
-                p.engine_input, p.sampling_params, f"{request_id}-{i}", trace_headers=trace
+                p.engine_input,
+                p.sampling_params,
+                f"{request_id}-{i}",
+                lora_request=lora,
+                trace_headers=trace,
             )
             for i, p in enumerate(prompts)
         ]
@@ -335,3 +358,15 @@ def _token_text(logprob: Any, token_id: int) -> str:
 def _error_from_response(response: Any) -> RequestError:
     error = response.error
     return RequestError(int(error.code), str(error.message), error.param)
+
+
+def _lora_requests(modules: list[Any] | None) -> dict[str, Any]:
+    """``--lora-modules`` as vLLM ``LoRARequest``s by adapter name (ids from 1, as vLLM)."""
+    if not modules:
+        return {}
+    from vllm.lora.request import LoRARequest
+
+    return {
+        module.name: LoRARequest(lora_name=module.name, lora_int_id=i, lora_path=module.path)
+        for i, module in enumerate(modules, start=1)
+    }

@@ -77,6 +77,7 @@ class FakeEngine(Engine):
         request_id: str,
         prompts: list[PreparedPrompt],
         trace: dict[str, str] | None = None,
+        model: str = "",
     ) -> AsyncIterator[list[protocol.Delta]]:
         fake: FakeParams = prompts[0].sampling_params
         loop = asyncio.get_running_loop()

@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"llmgate worker: {exc}")
     _check_keys(worker_settings)
     apply_embedded_model_defaults(namespace)
+    if namespace.lora_modules:
+        namespace.enable_lora = True  # as `vllm serve` needs it for --lora-modules
 
     from worker.engine import Engine, Limits
     from worker.server import WorkerServer

@@ -202,7 +202,9 @@ class WorkerServer:
             if timeout is not None and timeout <= 0:
                 raise RequestError(504, "request deadline passed before it started")
             async with asyncio.timeout(timeout):
-                async for deltas in self.engine.run(request_id, prompts, message.trace):
+                async for deltas in self.engine.run(
+                    request_id, prompts, message.trace, message.model
+                ):
                     self._queue(identity, deltas)
         except RequestError as exc:
             self._fail(identity, request_id, exc.status, exc.message, exc.param)

@@ -266,8 +266,9 @@ class Call:
         """Who answered: the worker, its served model and pool, the auto rule."""
         tier = handle.tier
         headers = {WORKER_HEADER: handle.worker.key, MODEL_HEADER: tier.model}
-        if tier.pool:
-            headers[POOL_HEADER] = tier.pool
+        pool = tier.pool or handle.worker.pool  # a LoRA adapter's: its worker's
+        if pool:
+            headers[POOL_HEADER] = pool
         if self.target is not None and self.target.rule:
             headers[ROUTE_HEADER] = self.target.rule
         if self.cascade_outcome:

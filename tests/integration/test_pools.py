@@ -17,17 +17,26 @@ import openai
 import pytest
 
 from tests.conftest import ROOT, Served, start_serve, stop_serve
+from tests.integration.lora import write_zero_lora
 from tests.integration.test_pool import metric
+from worker.embedded_model import default_model_dir
 
 pytestmark = pytest.mark.slow
 
 EXAMPLE = ROOT / "examples" / "two-pools.yaml"
 
 
+LORA = "smollm2-zero-lora"
+
+
 @pytest.fixture(scope="module")
 def pools(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    log_path = tmp_path_factory.mktemp("pools") / "serve.log"
-    running = start_serve(log_path, "--config", str(EXAMPLE), num_workers=2)
+    directory = tmp_path_factory.mktemp("pools")
+    adapter = write_zero_lora(directory / "lora", str(default_model_dir()))
+    log_path = directory / "serve.log"
+    # Flags after the config go to every worker: both pools serve the adapter.
+    lora = ("--lora-modules", f"{LORA}={adapter}", "--max-lora-rank", "8")
+    running = start_serve(log_path, "--config", str(EXAMPLE), *lora, num_workers=2)
     try:
         yield running
     finally:
@@ -131,6 +140,19 @@ def test_an_unsure_cheap_answer_escalates(pools: Served) -> None:
     assert response.headers["x-llmgate-model"] == "smollm2-f32"
     assert response.headers["x-llmgate-route"] == "default"
     assert metric(pools.base_url, "llmgate_cascade_total", outcome="escalated") == before + 1
+
+
+def test_a_lora_adapter_the_workers_serve_is_a_model_of_its_own(pools: Served) -> None:
+    listed = {m["id"] for m in httpx.get(f"{pools.base_url}/v1/models").json()["data"]}
+    assert LORA in listed
+    body = {"model": LORA, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    response = post(pools, body)
+    assert response.headers["x-llmgate-model"] == LORA
+    assert response.json()["model"] == LORA
+    # Its B matrices are zero: it answers as the base model of the pool that ran it.
+    base = "smollm2-f32" if response.headers["x-llmgate-pool"] == "large" else "smollm2-bf16"
+    plain = post(pools, {**body, "model": base})
+    assert response.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
 
 
 def test_an_unknown_model_is_a_404(pools: Served) -> None:
