@@ -148,3 +148,24 @@ async def test_requests_queued_for_a_pool_start_when_its_worker_comes_up() -> No
     first.close()
     assert (await queued[1]).worker is home
     pool.workers.ctx.term()
+
+
+async def test_a_gateway_places_workers_by_the_addresses_its_config_lists() -> None:
+    """llmgate gateway --config with `addresses:`: workers that do not name a pool."""
+    text = """\
+pools:
+  - {name: gpu, served_model_name: m, addresses: ["10.0.0.1:5550"]}
+  - {name: cpu, served_model_name: m, tier: 2, addresses: ["tcp://10.0.0.2:5550"]}
+"""
+    pool = Pool(GatewaySettings(), models=Models(config.parse(text)))
+    # The config's addresses are the workers (--workers left at its default).
+    assert pool.discovery.specs == ["tcp://10.0.0.1:5550", "tcp://10.0.0.2:5550"]
+    for address in ("tcp://10.0.0.1:5550", "tcp://10.0.0.2:5550"):
+        state = WorkerState(link=Link(address=address, sent=[]))  # type: ignore[arg-type]
+        pool.workers.by_address[address] = state
+        pool.workers.on_heartbeat(state, protocol.Heartbeat("w", "i", ["m"], capacity=1))
+    handle = await submit(pool, "a")
+    assert (handle.worker.address, handle.tier.pool) == ("tcp://10.0.0.1:5550", "gpu")
+    assert pool.workers.by_address["tcp://10.0.0.2:5550"].pool == "cpu"
+    handle.close()
+    pool.workers.ctx.term()
