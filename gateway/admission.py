@@ -112,24 +112,24 @@ class Admission:
             raise errors.Overloaded(
                 "Too many requests are waiting; try again shortly.", retry_after=1
             )
-        return await self._wait(target, tiers, key, deadline, exclude, on_queued, home_queue)
+        return await self._wait(tiers, key, deadline, exclude, on_queued)
 
     async def _wait(
         self,
-        target: Target,
         tiers: list[Tier],
         key: str | None,
         deadline: float,
         exclude: Collection[WorkerState],
         on_queued: Callable[[], object] | None,
-        home_queue: _PoolQueue,
     ) -> tuple[WorkerState, Tier]:
+        """Queue for the home pool (and, after ``spill_after``, the later tiers)."""
         wait = self.settings.queue_timeout
         if deadline:
             wait = min(wait, deadline - time.time())
         now = time.monotonic()
         give_up = now + wait
         home = tiers[0]
+        home_queue = self.pool(home)
         spill_after = home.spill_after if len(tiers) > 1 else None
         spill_at = now + spill_after if spill_after is not None else None
         if on_queued is not None:

@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 
 # Characters per token when no tokenizer is at hand (English text, roughly).
 CHARS_PER_TOKEN = 4
+# Targets of undeclared model names remembered between requests.
+UNDECLARED_KEPT = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +73,7 @@ class Models:
     # Counts a prompt's tokens for `prompt_tokens_over` (None: estimate).
     count_tokens: Any = None
     _targets: dict[str, Target] = field(default_factory=dict)
+    _undeclared: dict[str, Target] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.config is None:
@@ -118,13 +121,18 @@ class Models:
         self, model: str, raw: dict[str, Any], headers: Iterable[tuple[bytes, bytes]]
     ) -> Target:
         """The target of a request for ``model`` (its body ``raw``, its ASGI headers)."""
-        target = self._targets.get(model)
+        target = self._targets.get(model) or self._undeclared.get(model)
         if target is not None:
             return target
         if model == self.auto_name:
             return self._auto(raw, headers)
         # Not declared: whichever workers serve it (LoRA adapters, or no config).
-        return Target(model, (Tier("", model),))
+        # Kept for the next request, a bounded number of them (clients choose names).
+        target = Target(model, (Tier("", model),))
+        if len(self._undeclared) >= UNDECLARED_KEPT:
+            self._undeclared.clear()
+        self._undeclared[model] = target
+        return target
 
     def _served(self, name: str) -> Target:
         assert self.config is not None
