@@ -256,34 +256,29 @@ class Admission:
             return min(reported, cap)
         return reported or cap or 1
 
+    @staticmethod
+    def _runs(worker: WorkerState, tier: Tier, exclude: Collection[WorkerState]) -> bool:
+        """Whether ``worker`` may take a request for ``tier`` now (slots aside)."""
+        return (
+            worker.healthy
+            and not worker.draining
+            and tier.model in worker.models
+            and (not tier.pool or worker.pool == tier.pool)
+            and worker not in exclude
+        )
+
     def _serving(self, tier: Tier, exclude: Collection[WorkerState]) -> list[WorkerState]:
-        model, pool = tier.model, tier.pool
-        return [
-            w
-            for w in self.workers.by_address.values()
-            if w.healthy
-            and not w.draining
-            and model in w.models
-            and (not pool or w.pool == pool)
-            and w not in exclude
-        ]
+        return [w for w in self.workers.by_address.values() if self._runs(w, tier, exclude)]
 
     def _free(self, tier: Tier, exclude: Collection[WorkerState]) -> list[WorkerState]:
         return [w for w in self._serving(tier, exclude) if w.in_flight < self._capacity(w)]
 
     def _live_tiers(self, target: Target, exclude: Collection[WorkerState]) -> list[Tier]:
         """The target's tiers that have a worker to run on; 404/503 if none has."""
-        if len(target.tiers) == 1:
-            # Most requests: checked on the way (_take), no list to build here.
-            tier = target.tiers[0]
-            for w in self.workers.by_address.values():
-                if w.healthy and not w.draining and tier.model in w.models and w not in exclude:
-                    if not tier.pool or w.pool == tier.pool:
-                        return [tier]
-        else:
-            tiers = [t for t in target.tiers if self._serving(t, exclude)]
-            if tiers:
-                return tiers
+        workers = self.workers.by_address.values()
+        tiers = [t for t in target.tiers if any(self._runs(w, t, exclude) for w in workers)]
+        if tiers:
+            return tiers
         # None: say why.
         model = target.model
         healthy = self.workers.healthy()

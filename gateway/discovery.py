@@ -46,6 +46,11 @@ class Discovery:
                 log.exception("resolving worker addresses failed")
 
 
+def normalize_address(address: str) -> str:
+    """A bare ``host:port`` as the ZeroMQ address ``tcp://host:port``."""
+    return address if "://" in address else f"tcp://{address}"
+
+
 def parse_addresses(spec: str) -> list[str]:
     """``tcp://a:1,tcp://b:2`` (or bare ``host:port``) as a list of ZMQ addresses."""
     out = []
@@ -53,7 +58,7 @@ def parse_addresses(spec: str) -> list[str]:
         part = part.strip()
         if not part:
             continue
-        out.append(part if "://" in part else f"tcp://{part}")
+        out.append(normalize_address(part))
     if not out:
         raise ValueError("no worker addresses given")
     return out

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway import metrics
+from gateway.discovery import normalize_address
 from shared import config as pools_config
 
 log = logging.getLogger(__name__)
@@ -97,13 +98,6 @@ class Models:
         auto = self.config.auto if self.config else None
         return auto.name if auto else None
 
-    def aliases(self) -> dict[str, str]:
-        return dict(self.config.aliases) if self.config else {}
-
-    def declared(self) -> list[str]:
-        """Served model names the config declares (whether or not a worker is up)."""
-        return self.config.served_models() if self.config else []
-
     def pool_of_address(self) -> dict[str, str]:
         """``tcp://`` address -> pool, for workers the config places (llmgate gateway)."""
         if self.config is None:
@@ -151,7 +145,11 @@ class Models:
     def _auto(self, raw: dict[str, Any], headers: Iterable[tuple[bytes, bytes]]) -> Target:
         assert self.config is not None and self.config.auto is not None
         auto = self.config.auto
-        wanted = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers}
+        wanted = (
+            {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers}
+            if any(rule.headers for rule in auto.rules)
+            else {}
+        )
         for index, rule in enumerate(auto.rules):
             name = rule.name or f"rule-{index + 1}"
             if self._matches(rule, raw, wanted):
@@ -232,7 +230,8 @@ class Models:
         """Extra entries of ``/v1/models`` beside the ``served`` models: aliases
         (``alias_for``) and the auto name (``routes_to``)."""
         out: list[dict[str, Any]] = []
-        for alias, target in self.aliases().items():
+        aliases = self.config.aliases if self.config else {}
+        for alias, target in aliases.items():
             out.append({"id": alias, "alias_for": target})
         auto = self.config.auto if self.config else None
         if auto is not None:
@@ -241,10 +240,6 @@ class Models:
                 uses.append(auto.cascade.escalate_to)
             out.append({"id": auto.name, "routes_to": list(dict.fromkeys(uses))})
         return out
-
-
-def normalize_address(address: str) -> str:
-    return address if "://" in address else f"tcp://{address}"
 
 
 def load_token_counter(tokenizer: str) -> Any:
