@@ -11,10 +11,13 @@ install:
 run: install
 	$(VENV)/bin/llmgate serve $(ARGS)
 
+# The cache tests start a real Redis (Debian's redis-server, installed when missing).
 test: install
+	@scripts/debian-package.sh redis-server
 	$(PYTEST) $(PYTEST_ARGS)
 
 test-fast: install
+	@scripts/debian-package.sh redis-server
 	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
 
 lint: install

@@ -19,6 +19,15 @@ that, it starts at once on the first later tier with a free slot
 first served; once it has waited ``spill_after``, a free slot in a later tier
 takes it too, whichever frees first. Without ``spill_after`` a request only
 ever runs on its home pool, as without a config.
+
+Low priority (batch lines, ``gateway.batch``): such a request takes a free
+slot only when the pool has more free slots than interactive requests
+waiting for it, so it never takes one an interactive request is queued for;
+otherwise it waits in a queue of its own, behind every interactive request,
+and a freed slot wakes it only when no interactive request is waiting. It
+waits for its home pool alone, until its deadline rather than
+``--queue-timeout``, and does not count against ``--max-queue``: a batch
+never makes an interactive request a 429.
 """
 
 from __future__ import annotations
@@ -44,7 +53,15 @@ _EWMA_WEIGHT = 0.2
 class _PoolQueue:
     """The requests waiting for one pool, in arrival order, and its recent request time."""
 
-    __slots__ = ("depth_gauge", "in_flight_gauge", "mean_seconds", "queued", "tier", "waiters")
+    __slots__ = (
+        "depth_gauge",
+        "in_flight_gauge",
+        "low_waiters",
+        "mean_seconds",
+        "queued",
+        "tier",
+        "waiters",
+    )
 
     def __init__(self, tier: Tier) -> None:
         label = tier.label
@@ -52,6 +69,8 @@ class _PoolQueue:
         # One future per waiting request; a done one is skipped (its request
         # was woken by another pool, left, or was already woken).
         self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        # Low-priority requests waiting, woken only when no interactive one is.
+        self.low_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         # Requests whose home this pool is, waiting.
         self.queued = 0
         self.mean_seconds = 0.0
@@ -59,11 +78,12 @@ class _PoolQueue:
         self.in_flight_gauge = metrics.child(metrics.POOL_IN_FLIGHT, label)
 
     def wake_one(self) -> bool:
-        while self.waiters:
-            waiter = self.waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return True
+        for waiters in (self.waiters, self.low_waiters):
+            while waiters:
+                waiter = waiters.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)
+                    return True
         return False
 
 
@@ -89,15 +109,24 @@ class Admission:
         deadline: float,
         exclude: Collection[WorkerState],
         on_queued: Callable[[], object] | None = None,
+        low_priority: bool = False,
     ) -> tuple[WorkerState, Tier]:
         """A worker with a free slot for ``target``, chosen by the policy, and its
-        tier; queues if none may take it now (and calls ``on_queued`` then)."""
+        tier; queues if none may take it now (and calls ``on_queued`` then).
+        ``low_priority``: after every interactive request (a batch line)."""
         if not self.workers.any_healthy and not await self.workers.wait_for_any():
             metrics.REJECTED.labels("no_worker").inc()
             raise errors.NoWorker("No worker is available; try again later.")
         tiers = self._live_tiers(target, exclude)
         home = tiers[0]
         home_queue = self.pool(home)
+        if low_priority:
+            chosen = self._take_spare(home, key, exclude)
+            if chosen is not None:
+                return chosen
+            if on_queued is not None:
+                on_queued()
+            return await self._wait_low(home, key, deadline, exclude)
         if not home_queue.queued:  # else those first
             chosen = self._take(home, key, exclude)
             if chosen is not None:
@@ -192,6 +221,57 @@ class Admission:
                     self.wake_pools(tiers)
             else:
                 waiter.cancel()  # skipped where it is still queued
+
+    async def _wait_low(
+        self, home: Tier, key: str | None, deadline: float, exclude: Collection[WorkerState]
+    ) -> tuple[WorkerState, Tier]:
+        """Queue behind every interactive request for ``home`` (see the module docstring)."""
+        queue = self.pool(home)
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        queue.low_waiters.append(waiter)
+        chosen = None
+        try:
+            while True:
+                if waiter.done():
+                    chosen = self._take_spare(home, key, exclude)
+                    if chosen is not None:
+                        return chosen
+                    waiter = loop.create_future()
+                    queue.low_waiters.appendleft(waiter)
+                remaining = deadline - time.time() if deadline else None
+                if remaining is not None and remaining <= 0:
+                    metrics.REJECTED.labels("queue_timeout").inc()
+                    raise errors.Overloaded(
+                        "Timed out waiting for a spare worker slot; try again later.",
+                        retry_after=1,
+                    )
+                try:
+                    async with asyncio.timeout(remaining):
+                        await asyncio.shield(waiter)
+                except TimeoutError:
+                    continue
+        finally:
+            if waiter.done():
+                if chosen is None:
+                    self.wake_pools([home])
+            else:
+                waiter.cancel()
+
+    def _take_spare(
+        self, tier: Tier, key: str | None, exclude: Collection[WorkerState]
+    ) -> tuple[WorkerState, Tier] | None:
+        """A free slot of ``tier`` for a low-priority request: only one that no
+        interactive request queued for the pool will need."""
+        free = self._free(tier, exclude)
+        spare = sum(self._capacity(w) - w.in_flight for w in free)
+        if spare <= self.pool(tier).queued:
+            return None
+        return self.policy.select(RoutingContext(tier.model, free, key)), tier
+
+    def capacity(self) -> int:
+        """Slots of the healthy workers, all pools together."""
+        return sum(self._capacity(w) for w in self.workers.healthy())
 
     def _take(
         self, tier: Tier, key: str | None, exclude: Collection[WorkerState]

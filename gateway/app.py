@@ -14,10 +14,12 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp
 
-from gateway import errors, metrics, openapi, routes, tracing
+from gateway import batch, errors, metrics, openapi, routes, tracing
 from gateway.api import auth, direct, health, openai, request_ids
 from gateway.api import tgi as _tgi_endpoints  # noqa: F401  (attach themselves to routes)
 from gateway.api.request_ids import request_id_of
+from gateway.batch import api as batch_api
+from gateway.cache import open_cache
 from gateway.pool import Pool
 from gateway.routes import render
 from shared.settings import GatewaySettings
@@ -44,6 +46,8 @@ def create_app(settings: GatewaySettings) -> ASGIApp:
     tracing.setup(settings.otlp_endpoint)
     api = create_api(settings)
     app: ASGIApp = direct.DirectRoutes(api)
+    # The batch runner's way in (gateway.batch.runner): below the API-key check.
+    api.state.requests_app = app
     api_keys = auth.load_api_keys(settings)
     if api_keys:
         app = auth.ApiKeyMiddleware(app, keys=api_keys, protect_metrics=settings.protect_metrics)
@@ -59,6 +63,14 @@ def create_api(settings: GatewaySettings) -> FastAPI:
         pool = Pool(settings)
         await pool.start()
         app.state.pool = pool
+        # None when --cache is off.
+        app.state.cache = cache = open_cache(
+            settings.cache, settings.cache_ttl, settings.cache_max_bytes, settings.cache_scope
+        )
+        # Files and batch jobs; the runner sends its lines through the app above.
+        app.state.batches = batches = batch.start(
+            settings, app.state.requests_app, pool.admission.capacity, pool.interactive_since
+        )
         # What start-up built (FastAPI, pydantic, routes) lives as long as the
         # process: frozen, the cyclic collector stops walking it again every
         # few hundred requests.
@@ -66,6 +78,9 @@ def create_api(settings: GatewaySettings) -> FastAPI:
         try:
             yield
         finally:
+            await batches.stop()
+            if cache is not None:
+                await cache.close()
             await pool.stop()
             metrics.mark_process_dead(os.getpid())
 
@@ -76,6 +91,7 @@ def create_api(settings: GatewaySettings) -> FastAPI:
         assert route.endpoint is not None, f"no endpoint serves {route.path}"
         app.add_api_route(route.path, route.endpoint, methods=["POST"], tags=[route.tag])
     app.include_router(openai.router)  # GET /v1/models
+    app.include_router(batch_api.router)  # /v1/files, /v1/batches
     openapi.install(app)
     app.include_router(health.router)
     app.add_exception_handler(errors.GatewayError, _gateway_error)

@@ -50,6 +50,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--policy must be one of {', '.join(POLICY_NAMES)}")
     _check_keys(gateway)
     _check_config(gateway)
+    from gateway.cache import check_settings
+
+    problem = check_settings(gateway.cache, gateway.cache_scope)
+    if problem:
+        raise SystemExit(f"llmgate gateway: {problem}")
     # The app factory reads its settings from the environment, in this
     # process or in uvicorn's worker processes alike.
     os.environ.update(settings.to_environment(gateway))

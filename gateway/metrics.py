@@ -127,6 +127,38 @@ CASCADE = Counter(
     ["outcome"],
 )
 
+# The response cache (--cache).
+CACHE_REQUESTS = Counter(
+    "llmgate_cache_requests",
+    "Requests by what the response cache did: hit, miss (computed, then stored if it "
+    "finished), bypass (not cacheable, or Cache-Control: no-store).",
+    ["result"],
+)
+CACHE_BYTES = Gauge(
+    "llmgate_cache_bytes",
+    "Bytes of responses in the memory cache (the Redis backend's size is Redis's own INFO).",
+    multiprocess_mode="livesum",
+)
+CACHE_ERRORS = Counter(
+    "llmgate_cache_errors",
+    "Cache backend operations that failed (Redis unreachable): the request is served uncached.",
+    ["operation"],
+)
+
+# Batch jobs (gateway.batch): counted by the one process that runs them.
+BATCH_LINES = Counter(
+    "llmgate_batch_lines",
+    "Batch lines finished, by status: completed, failed (an error answer), "
+    "cancelled or expired (never run).",
+    ["status"],
+)
+BATCH_JOBS = Gauge(
+    "llmgate_batch_jobs",
+    "Batch jobs in the state directory, by status (validating, in_progress, completed, ...).",
+    ["status"],
+    multiprocess_mode="livemax",
+)
+
 WORKER_HEALTHY = Gauge(
     "llmgate_worker_healthy",
     "1 while the worker's heartbeats arrive.",

@@ -67,6 +67,12 @@ class Pool:
         # gets a suffixed id, so no late delta for the old one reaches it.
         self._released: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._suffixes = itertools.count(1)
+        # Interactive (not batch) requests on workers, the ids of the batch
+        # ones, and when an interactive one last started or ended: the batch
+        # runner takes fewer slots while interactive traffic is about.
+        self.interactive_in_flight = 0
+        self.last_interactive = 0.0
+        self._low_priority_ids: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle ---------------------------------------------------------
@@ -95,6 +101,13 @@ class Pool:
     def models(self) -> list[str]:
         return self.workers.models()
 
+    def interactive_since(self) -> float:
+        """Seconds since this process last had an interactive request on a worker
+        or waiting for one (0 while it has)."""
+        if self.interactive_in_flight or self.admission.queued:
+            return 0.0
+        return time.monotonic() - self.last_interactive
+
     async def wait_for_worker(self) -> bool:
         return await self.workers.wait_for_any()
 
@@ -111,17 +124,21 @@ class Pool:
         exclude: Collection[WorkerState] = (),
         trace: dict[str, str] | None = None,
         on_queued: Callable[[], object] | None = None,
+        low_priority: bool = False,
     ) -> RequestHandle:
         """Admit the request, pick a worker, send it; raises a ``GatewayError`` if refused.
 
         ``request_id`` becomes the id of the ``Generate`` (and vLLM's); if
         it is in use or was lately (a retry, a client's reused
         ``X-Request-Id``), a suffix ``~N`` keeps the two apart. ``trace`` is
-        the request's trace context, for the worker.
+        the request's trace context, for the worker. ``low_priority`` (a batch
+        line) waits behind interactive requests here and in the engine.
         """
         if isinstance(target, str):
             target = Target(target, (Tier("", target),))
-        worker, tier = await self.admission.acquire(target, key, deadline, exclude, on_queued)
+        worker, tier = await self.admission.acquire(
+            target, key, deadline, exclude, on_queued, low_priority
+        )
         if request_id in self.pending or request_id in self._released:
             request_id = f"{request_id}~{next(self._suffixes)}"
         message = protocol.Generate(
@@ -131,6 +148,7 @@ class Pool:
             params=params,
             deadline=deadline,
             trace=trace,
+            priority=protocol.BATCH_PRIORITY if low_priority else 0,
         )
         try:
             # Leaves at the end of this loop turn; if the connection turns out
@@ -143,6 +161,11 @@ class Pool:
             ) from None
         handle = RequestHandle(request_id, worker, deadline, self._release, tier)
         self.pending[request_id] = handle
+        if low_priority:
+            self._low_priority_ids.add(request_id)
+        else:
+            self.interactive_in_flight += 1
+            self.last_interactive = time.monotonic()
         worker.requests.add(request_id)
         worker.in_flight += 1
         metrics.IN_FLIGHT.inc()
@@ -155,6 +178,11 @@ class Pool:
         if self.pending.get(handle.request_id) is not handle:
             return  # closed before
         del self.pending[handle.request_id]
+        if handle.request_id in self._low_priority_ids:
+            self._low_priority_ids.discard(handle.request_id)
+        else:
+            self.interactive_in_flight -= 1
+            self.last_interactive = time.monotonic()
         self._released[handle.request_id] = None
         if len(self._released) > RELEASED_IDS_KEPT:
             self._released.popitem(last=False)

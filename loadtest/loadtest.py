@@ -17,6 +17,9 @@ Scenarios (``--scenario``, default ``all``, run one after the other):
 * ``spillover`` (not part of ``all``; ``loadtest.spillover``): bursts beyond
   the tier-1 pool's slots of the README's two-pools example, with spill-over
   on and off; latency p50/p99 and which pool answered.
+* ``batch`` (not part of ``all``; ``loadtest.batches``): interactive latency
+  idle and while a batch job runs, the batch's throughput against the same
+  requests sent interactively, cache hit against miss latency, precompute.
 
 Each run (scenario or sweep step) is its own headless Locust process; the
 first ``--warmup`` seconds of each are not counted. Throughput is the number
@@ -66,6 +69,7 @@ LOCUSTFILE = ROOT / "loadtest" / "locustfile.py"
 SCENARIOS = ("seed", "chat-stream", "sweep")
 CAPACITY_SCENARIOS = ("connections", "soak")
 SPILLOVER = "spillover"
+BATCH = "batch"
 # Locust's statistics name for each scenario's main request.
 SEED_NAME = "/v1/completions"
 CHAT_NAME = "/v1/chat/completions (stream)"
@@ -479,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add(
         "--scenario",
-        choices=[*SCENARIOS, "all", *CAPACITY_SCENARIOS, SPILLOVER],
+        choices=[*SCENARIOS, "all", *CAPACITY_SCENARIOS, SPILLOVER, BATCH],
         default="all",
     )
     add("--url", default=None, help="load this running server instead of starting llmgate")
@@ -504,6 +508,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--bursts", type=int, default=3, help="bursts per mode (spillover)")
     add("--burst", type=int, default=24, help="requests sent at once per burst (spillover)")
     add("--burst-tokens", type=int, default=64, help="max_tokens of each (spillover)")
+    add("--interactive-users", type=int, default=4, help="closed-loop users (batch)")
+    add("--interactive-seconds", type=float, default=30.0, help="seconds per phase (batch)")
+    add("--interactive-tokens", type=int, default=32, help="max_tokens of each (batch)")
+    add("--batch-lines", type=int, default=1000, help="lines of the batch job (batch)")
+    add("--batch-tokens", type=int, default=16, help="max_tokens of each line (batch)")
+    add("--direct-concurrency", type=int, default=32, help="clients sending the lines (batch)")
+    add("--cache-requests", type=int, default=50, help="requests sent twice (batch)")
     return parser
 
 
@@ -525,6 +536,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.scenario in CAPACITY_SCENARIOS:
         print(f"{args.scenario}; results: {run_dir}")
         return run_capacity(args, run_dir, started)
+    if args.scenario == BATCH:
+        from loadtest import batches
+
+        print(f"{args.scenario}; results: {run_dir}")
+        report = batches.run(run_dir, args)
+        report |= {"date": started.isoformat(), "machine": machine_info(), "versions": versions()}
+        (run_dir / "summary.json").write_text(json.dumps(report, indent=2) + "\n")
+        print(batches.format_report(report))
+        return 0
     if args.scenario == SPILLOVER:
         from loadtest import spillover
 

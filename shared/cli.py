@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "worker": ("worker.main", "run one worker (vLLM engine behind ZeroMQ)"),
     "gateway": ("gateway.main", "run one gateway (OpenAI HTTP API)"),
     "convert-model": ("worker.embedded_model", "convert the embedded model (done on demand)"),
+    "batch": ("gateway.batch.cli", "run a JSONL file of requests as a batch job (OpenAI's format)"),
     "keys": ("shared.keys", "generate CURVE key pairs for encrypted gateway-worker links"),
 }
 

@@ -69,6 +69,14 @@ class Generate(_Message, tag="gen"):
     # The gateway's trace context (W3C ``traceparent``/``tracestate``) when
     # tracing is on: vLLM's own spans for the request join that trace.
     trace: dict[str, str] | None = None
+    # vLLM's request priority (a larger number is scheduled later): 0 for
+    # interactive requests, ``BATCH_PRIORITY`` for batch lines. Workers apply it
+    # only under ``--scheduling-policy priority`` (``llmgate serve`` sets it).
+    priority: int = 0
+
+
+# The priority of a batch job's lines (``gateway.batch``): after every interactive request.
+BATCH_PRIORITY = 1
 
 
 class Abort(_Message, tag="abort"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Annotated, Any, TypeVar, get_args, get_origin, get_type_hints
 
 import msgspec
@@ -33,6 +34,42 @@ OtlpEndpoint = Annotated[
         "OpenTelemetry collector to send request traces to (OTLP, gRPC unless "
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf); empty = no tracing"
     ),
+]
+Cache = Annotated[
+    str,
+    _help(
+        "response cache: empty = off, `memory` (this process), or `redis://HOST:PORT/DB` "
+        "(shared by every gateway process and replica)"
+    ),
+]
+CacheTtl = Annotated[float, _help("seconds a cached response is kept")]
+CacheMaxBytes = Annotated[
+    int, _help("memory cache: most bytes of responses kept; the least recently used go first")
+]
+CacheScope = Annotated[
+    str,
+    _help(
+        "which requests the cache serves: `deterministic` (temperature 0 or a `seed`), "
+        "`greedy` (temperature 0 only) or `all` (sampled ones too)"
+    ),
+]
+StateDir = Annotated[
+    str,
+    _help(
+        "directory for uploaded files and batch jobs (survives restarts); "
+        "empty = $XDG_STATE_HOME/llmgate, else ~/.local/state/llmgate"
+    ),
+]
+BatchMaxInflight = Annotated[
+    int,
+    _help(
+        "batch lines in flight at once per gateway process (admission also puts them "
+        "behind interactive requests); 0 = a 32nd of the healthy workers' slots while "
+        "interactive requests come in, half of them after 5 s without any"
+    ),
+]
+MaxFileBytes = Annotated[
+    int, _help("largest file `POST /v1/files` accepts (a batch's JSONL input); larger is 413")
 ]
 
 
@@ -125,6 +162,13 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
             "between pools; empty = route by the model names workers serve"
         ),
     ] = ""
+    cache: Cache = ""
+    cache_ttl: CacheTtl = 3600.0
+    cache_max_bytes: CacheMaxBytes = 256 * 1024 * 1024
+    cache_scope: CacheScope = "deterministic"
+    state_dir: StateDir = ""
+    batch_max_inflight: BatchMaxInflight = 0
+    max_file_bytes: MaxFileBytes = 200 * 1024 * 1024
 
 
 class WorkerSettings(msgspec.Struct, kw_only=True):
@@ -197,9 +241,24 @@ class ServeSettings(msgspec.Struct, kw_only=True):
     log_level: Annotated[str, _help("log level: debug, info, warning, error")] = "info"
     log_format: LogFormat = "text"
     otlp_endpoint: OtlpEndpoint = ""
+    cache: Cache = ""
+    cache_ttl: CacheTtl = 3600.0
+    cache_max_bytes: CacheMaxBytes = 256 * 1024 * 1024
+    cache_scope: CacheScope = "deterministic"
+    state_dir: StateDir = ""
+    batch_max_inflight: BatchMaxInflight = 0
 
 
 S = TypeVar("S", bound=msgspec.Struct)
+
+
+def resolve_state_dir(state_dir: str) -> Path:
+    """``--state-dir``, or where the XDG base directory spec puts an app's state."""
+    if state_dir:
+        return Path(state_dir).expanduser()
+    xdg = os.environ.get("XDG_STATE_HOME")
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".local" / "state"
+    return base / "llmgate"
 
 
 def _flag(name: str) -> str:

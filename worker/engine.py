@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared import protocol
-from worker import sampling
+from worker import sampling, spans
+from worker.key_prompts import KeyRewriter
 from worker.sampling import RequestError
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,8 @@ class PreparedPrompt:
     prompt_tokens: int
     # The prompt's text, when the response must echo it (completions' ``echo``).
     echo_text: str | None = None
+    # Prompted key -> plain key, when the schema prompts inside keys (worker.spans).
+    key_prompts: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,17 @@ class Engine:
         self.max_model_len: int = self.model_config.max_model_len
         self.limits = limits or Limits()
         self.max_num_seqs: int = self.llm.vllm_config.scheduler_config.max_num_seqs
+        # Under vLLM's priority policy the engine runs interactive requests
+        # before a batch job's lines (Generate.priority); under the default
+        # (fcfs) the gateway's admission alone keeps batch lines behind.
+        self.scheduling_policy = str(self.llm.vllm_config.scheduler_config.policy)
+        log.info(
+            "scheduling policy %s: %s",
+            self.scheduling_policy,
+            "batch lines run after interactive requests"
+            if self.priority_scheduling
+            else "request priorities ignored",
+        )
         # The model's generation_config.json defaults, as vllm serve applies them.
         self.default_sampling_params: dict[str, Any] = self.model_config.get_diff_sampling_param()
         self.special_ids = frozenset(self.llm.renderer.get_tokenizer().all_special_ids)
@@ -145,13 +159,28 @@ class Engine:
             chat_template_content_format="auto",
         )
 
+    @property
+    def priority_scheduling(self) -> bool:
+        return self.scheduling_policy == "priority"
+
+    def engine_priority(self, priority: int) -> int:
+        """The vLLM priority for a request the gateway sent with ``priority``."""
+        return priority if self.priority_scheduling else 0
+
     async def prepare(
         self, kind: protocol.RequestKind, params: dict[str, Any]
     ) -> list[PreparedPrompt]:
         """Validate, render and tokenize one request: one entry per prompt."""
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
-        request = sampling.parse_request(kind, params)
+        applied = spans.apply(kind, params)
+        if applied.grammar_rules:
+            log.info(
+                "span grammar: %d rules, built in %.1f ms",
+                applied.grammar_rules,
+                applied.build_seconds * 1000,
+            )
+        request = sampling.parse_request(kind, applied.params)
         if kind == "chat":
             rendered = await self.renderer.render_chat(request)
             if isinstance(rendered, ErrorResponse):
@@ -172,7 +201,15 @@ class Engine:
             echo_text = None
             if kind == "completion" and request.echo:
                 echo_text = self._prompt_text(engine_input)
-            prepared.append(PreparedPrompt(engine_input, sampling_params, prompt_tokens, echo_text))
+            prepared.append(
+                PreparedPrompt(
+                    engine_input,
+                    sampling_params,
+                    prompt_tokens,
+                    echo_text,
+                    applied.key_prompts or None,
+                )
+            )
         return prepared
 
     def _check_limits(self, kind: protocol.RequestKind, request: Any, prompt_tokens: int) -> int:
@@ -212,17 +249,20 @@ class Engine:
         prompts: list[PreparedPrompt],
         trace: dict[str, str] | None = None,
         model: str = "",
+        priority: int = 0,
     ) -> AsyncIterator[list[protocol.Delta]]:
         """Run every prompt of one request; yield its deltas as they come.
 
         Choice ``i`` of prompt ``p`` gets index ``p * n + i``, as in vLLM's
         completions endpoint. The last item carries the request's usage.
         ``trace`` (the gateway's trace context) parents vLLM's own spans,
-        when the worker runs with ``--otlp-traces-endpoint``.
+        when the worker runs with ``--otlp-traces-endpoint``. ``priority`` is
+        the gateway's (``Generate.priority``), applied under the priority policy.
         """
         from vllm.utils.async_utils import merge_async_iterators
 
         lora = self.loras.get(model)
+        priority = self.engine_priority(priority)
         generators = [
             self.llm.generate(
                 p.engine_input,
@@ -230,11 +270,13 @@ class Engine:
                 f"{request_id}-{i}",
                 lora_request=lora,
                 trace_headers=trace,
+                priority=priority,
             )
             for i, p in enumerate(prompts)
         ]
         completion_tokens = 0
         echoed: set[int] = set()
+        rewriters: dict[int, KeyRewriter] = {}
         async for prompt_index, output in merge_async_iterators(*generators):
             prompt = prompts[prompt_index]
             n = prompt.sampling_params.n
@@ -259,7 +301,9 @@ class Engine:
                         echo=echo,
                         echo_logprobs=echo_logprobs,
                         prompt_token_ids=echo_ids,
-                        text=choice.text,
+                        text=_rewrite_keys(
+                            request_id, rewriters, index, prompt, choice.text, choice.finish_reason
+                        ),
                         num_tokens=len(choice.token_ids),
                         logprobs=(
                             _token_logprobs(choice.token_ids, choice.logprobs, self.special_ids)
@@ -309,6 +353,31 @@ class Engine:
 
     def shutdown(self) -> None:
         self.llm.shutdown()
+
+
+def _rewrite_keys(
+    request_id: str,
+    rewriters: dict[int, KeyRewriter],
+    index: int,
+    prompt: PreparedPrompt,
+    text: str,
+    finish_reason: str | None,
+) -> str:
+    """``text`` with prompted keys made plain (worker.key_prompts); as is without them."""
+    if not prompt.key_prompts:
+        return text
+    rewriter = rewriters.get(index)
+    if rewriter is None:
+        rewriter = rewriters[index] = KeyRewriter(prompt.key_prompts)
+    out = rewriter.feed(text, final=finish_reason is not None)
+    if finish_reason is not None:
+        log.info(
+            "request %s choice %d: prompted keys generated: %s",
+            request_id,
+            index,
+            ", ".join(rewriter.generated) or "none",
+        )
+    return out
 
 
 # vLLM reports -inf for impossible tokens; JSON has no infinity, and vLLM's

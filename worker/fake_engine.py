@@ -63,6 +63,7 @@ class FakeEngine(Engine):
         self.token_interval = token_interval
         self.max_num_seqs = capacity
         self.max_model_len = max_model_len
+        self.scheduling_policy = "fcfs"
         self.running = 0
 
     async def prepare(
@@ -78,6 +79,7 @@ class FakeEngine(Engine):
         prompts: list[PreparedPrompt],
         trace: dict[str, str] | None = None,
         model: str = "",
+        priority: int = 0,
     ) -> AsyncIterator[list[protocol.Delta]]:
         fake: FakeParams = prompts[0].sampling_params
         loop = asyncio.get_running_loop()

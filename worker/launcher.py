@@ -241,6 +241,13 @@ def _gateway_child(serve: settings.ServeSettings, num_workers: int) -> Child:
     ]
     if serve.config:
         argv += ["--config", str(Path(serve.config).resolve())]
+    # The response cache and the state directory (batch jobs) are the gateway's.
+    argv += [
+        *("--cache", serve.cache, "--cache-ttl", str(serve.cache_ttl)),
+        *("--cache-max-bytes", str(serve.cache_max_bytes), "--cache-scope", serve.cache_scope),
+        *("--state-dir", serve.state_dir),
+        *("--batch-max-inflight", str(serve.batch_max_inflight)),
+    ]
     return Child(name="gateway", argv=argv, env=dict(os.environ))
 
 
@@ -395,6 +402,11 @@ def main(argv: list[str] | None = None) -> None:
         setup_logging(serve.log_level, serve.log_format)
     except ValueError as exc:
         sys.exit(f"llmgate serve: {exc}")
+    from gateway.cache import check_settings
+
+    problem = check_settings(serve.cache, serve.cache_scope)
+    if problem:
+        sys.exit(f"llmgate serve: {problem}")
     if serve.config:
         try:
             config = pools_config.load(serve.config)

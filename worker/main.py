@@ -36,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     settings.add_arguments(parser, settings.WorkerSettings)
     add_engine_args(parser)
     # None means "the embedded model": vLLM's own default would download one.
-    parser.set_defaults(model=None)
+    # The priority policy (vLLM's default is fcfs): the engine runs interactive
+    # requests before a batch job's lines (protocol.Generate.priority).
+    parser.set_defaults(model=None, scheduling_policy="priority")
     return parser
 
 

@@ -195,7 +195,12 @@ class WorkerServer:
         # Every log line about this request carries its id (shared.logs); the
         # task has its own copy of the context, so this ends with the task.
         logs.request_id.set(request_id)
-        log.debug("running a %s request for %r", message.kind, identity)
+        log.debug(
+            "running a %s request for %r, engine priority %d",
+            message.kind,
+            identity,
+            self.engine.engine_priority(message.priority),
+        )
         try:
             prompts = await self.engine.prepare(message.kind, message.params)
             timeout = message.deadline - time.time() if message.deadline else None
@@ -203,7 +208,7 @@ class WorkerServer:
                 raise RequestError(504, "request deadline passed before it started")
             async with asyncio.timeout(timeout):
                 async for deltas in self.engine.run(
-                    request_id, prompts, message.trace, message.model
+                    request_id, prompts, message.trace, message.model, message.priority
                 ):
                     self._queue(identity, deltas)
         except RequestError as exc:

@@ -107,6 +107,8 @@ services:
       LLMGATE_CURVE_WORKER_PUBLIC_KEY_FILE: ${{LLMGATE_CURVE_WORKER_PUBLIC_KEY_FILE:-}}
     volumes:
       - ./keys:/etc/llmgate/keys:ro
+      # Uploaded files and batch jobs (LLMGATE_STATE_DIR): kept across restarts.
+      - gateway-state:/var/lib/llmgate
     ports:
       - "${{GATEWAY_PORT:-8000}}:8000"
     stop_grace_period: 40s
@@ -186,6 +188,7 @@ networks:
 
 volumes:
   hf-cache: {{}}
+  gateway-state: {{}}
   prometheus-data: {{}}
   grafana-data: {{}}
 """
@@ -257,9 +260,9 @@ def render_pools(config_path: str, cpu: bool = False) -> str:
         "      LLMGATE_HOST: 0.0.0.0\n",
         f"      LLMGATE_CONFIG: {POOLS_TARGET}\n      LLMGATE_HOST: 0.0.0.0\n",
     ).replace(
-        "    volumes:\n      - ./keys:/etc/llmgate/keys:ro\n    ports:",
+        "    volumes:\n      - ./keys:/etc/llmgate/keys:ro\n",
         f"    configs:\n      - source: pools\n        target: {POOLS_TARGET}\n"
-        "    volumes:\n      - ./keys:/etc/llmgate/keys:ro\n    ports:",
+        "    volumes:\n      - ./keys:/etc/llmgate/keys:ro\n",
     )
     parts = [head]
     next_device = 0

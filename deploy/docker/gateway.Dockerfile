@@ -30,13 +30,15 @@ FROM ${PYTHON_IMAGE}
 RUN apt-get update \
     && apt-get install -y --no-install-recommends tini \
     && rm -rf /var/lib/apt/lists/* \
-    && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin llmgate
+    && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin llmgate \
+    && install -d -o 10001 -g 10001 /var/lib/llmgate
 COPY --from=build /opt/venv /opt/venv
 COPY deploy/docker/healthcheck.py /opt/llmgate/healthcheck.py
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     LLMGATE_HOST=0.0.0.0 \
-    LLMGATE_PORT=8000
+    LLMGATE_PORT=8000 \
+    LLMGATE_STATE_DIR=/var/lib/llmgate
 USER 10001:10001
 WORKDIR /home/llmgate
 EXPOSE 8000

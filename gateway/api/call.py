@@ -30,7 +30,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from gateway import cascade, errors, metrics, schemas, sse, tracing
+from gateway import cascade, errors, metrics, routes, schemas, sse, tracing
+from gateway.api.cached import CACHE_HEADER, STREAM_HEADERS, CacheStep, replay
 from gateway.api.http import DisconnectWatch, EventStream, deadline, header
 from gateway.api.request_ids import request_id_of
 from gateway.handle import RequestHandle, WorkerLost
@@ -51,6 +52,8 @@ MODEL_HEADER = "x-llmgate-model"
 POOL_HEADER = "x-llmgate-pool"
 ROUTE_HEADER = "x-llmgate-route"
 CASCADE_HEADER = "x-llmgate-cascade"
+# The routes whose answers are cached (OpenAI's; TGI's are not).
+CACHED_ROUTES = frozenset({routes.COMPLETIONS.path, routes.CHAT.path})
 
 
 def pool_of(request: Request) -> Pool:
@@ -85,6 +88,13 @@ class Call:
         # serve(): an auto rule's metrics count only requests that got there.
         self.target: Target | None = None
         self.cascade_outcome = ""  # accepted or escalated (gateway.cascade)
+        # The response cache's part (gateway.api.cached), and the worker's
+        # output as it came while the answer may be stored.
+        cache = self.request.app.state.cache
+        self.cached = (
+            CacheStep(cache) if cache is not None and self.route in CACHED_ROUTES else None
+        )
+        self.recorded: list[protocol.Delta] | None = None
         self.span = tracing.request_span(
             self.request.scope["headers"],
             self.request_id,
@@ -106,6 +116,10 @@ class Call:
             self.target = self.pool.names.resolve(
                 self.body.model, self.raw, self.request.scope["headers"]
             )
+            if self.cached is not None:
+                hit = await self._look_up(self.cached)
+                if hit is not None:
+                    return hit
             if self.body.stream:
                 return await self._start_stream(key)
             return await self._complete(key)
@@ -141,6 +155,8 @@ class Call:
             exclude=self.tried,
             trace=span.headers(),
             on_queued=(lambda: span.event("queued")) if span.on else None,
+            # A batch job's line (gateway.batch.runner): after interactive requests.
+            low_priority=self.request.scope.get("llmgate.priority") == "batch",
         )
         if span.on:
             span.event("routed", worker=handle.worker.address)
@@ -176,7 +192,7 @@ class Call:
         if self.target is not None and self.target.escalate_to is not None:
             return await self._cascade(key, self.target.escalate_to)
         handle, usage = await self._attempts(key, self.raw)
-        return self._respond(handle, usage)
+        return await self._respond(handle, usage)
 
     async def _attempts(
         self, key: str | None, raw: dict[str, Any]
@@ -192,11 +208,19 @@ class Call:
             if isinstance(outcome, protocol.Usage):
                 return handle, outcome
             self._retry_or_raise(handle, outcome)
-            self.builder.reset()
+            self._forget_output()
 
-    def _respond(self, handle: RequestHandle, usage: protocol.Usage) -> Response:
+    async def _respond(self, handle: RequestHandle, usage: protocol.Usage) -> Response:
+        headers = self._headers(handle)
+        await self._store(handle, usage, headers)
         self._finish(200, usage)
-        return Response(self.builder.body(usage), media_type=JSON, headers=self._headers(handle))
+        return Response(self.builder.body(usage), media_type=JSON, headers=headers)
+
+    def _forget_output(self) -> None:
+        """The request runs again from scratch (a retry, an escalation)."""
+        self.builder.reset()
+        if self.recorded is not None:
+            self.recorded.clear()
 
     async def _cascade(self, key: str | None, escalate_to: Target) -> Response:
         """The default model's answer if it is good enough, else the escalation
@@ -207,7 +231,7 @@ class Call:
         if reason is None:
             self.cascade_outcome = "accepted"
             metrics.CASCADE.labels("accepted").inc()
-            return self._respond(handle, usage)
+            return await self._respond(handle, usage)
         log.debug(
             "cascade: escalating from %s to %s (%s)",
             self.target.model,
@@ -217,11 +241,11 @@ class Call:
         )
         self.cascade_outcome = "escalated"
         metrics.CASCADE.labels("escalated").inc()
-        self.builder.reset()
+        self._forget_output()
         self.tried = set()
         self.target = Target(escalate_to.model, escalate_to.tiers, rule=self.target.rule)
         handle, usage = await self._attempts(key, self.raw)
-        return self._respond(handle, usage)
+        return await self._respond(handle, usage)
 
     async def _collect(
         self, handle: RequestHandle
@@ -237,6 +261,8 @@ class Call:
             if item.usage is not None:
                 return item.usage
             self.builder.add(item)
+            if self.recorded is not None:
+                self.recorded.append(item)
 
     # -- streaming -----------------------------------------------------------
 
@@ -255,11 +281,7 @@ class Call:
         return EventStream(
             self._stream(handle, first),
             release=lambda: self._release_stream(handle),
-            headers={
-                "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no",
-                **self._headers(handle),
-            },
+            headers={**STREAM_HEADERS, **self._headers(handle)},
         )
 
     def _headers(self, handle: RequestHandle) -> dict[str, str]:
@@ -273,6 +295,8 @@ class Call:
             headers[ROUTE_HEADER] = self.target.rule
         if self.cascade_outcome:
             headers[CASCADE_HEADER] = self.cascade_outcome
+        if self.cached is not None:
+            headers[CACHE_HEADER] = self.cached.result
         return headers
 
     def _release_stream(self, handle: RequestHandle) -> None:
@@ -286,6 +310,7 @@ class Call:
         # Runs inside the response: a client that goes away cancels it here (or
         # closes it), and the finally clause aborts the request on the worker.
         include_usage = self.body.include_usage
+        recorded = self.recorded
         item: protocol.Delta | protocol.Failed | WorkerLost = first
         last_chunk = 0.0
         status = 200
@@ -311,6 +336,9 @@ class Call:
                     usage = item.usage
                     if include_usage:
                         yield self.builder.usage_chunk(item.usage)
+                    # Stored before the stream ends, so a client that reads
+                    # to [DONE] can count on the next request hitting.
+                    await self._store(handle, usage, self._headers(handle))
                     break
                 now = time.monotonic()
                 if last_chunk:
@@ -322,9 +350,13 @@ class Call:
                 # Deltas that queued up meanwhile go out in the same write: one
                 # transport write per batch, not per token, under load.
                 chunks = [self.builder.chunk(item)]
+                if recorded is not None:
+                    recorded.append(item)
                 waiting = handle.next_nowait()
                 while isinstance(waiting, protocol.Delta) and waiting.usage is None:
                     chunks.append(self.builder.chunk(waiting))
+                    if recorded is not None:
+                        recorded.append(waiting)
                     waiting = handle.next_nowait()
                 yield chunks[0] if len(chunks) == 1 else b"".join(chunks)
                 try:
@@ -344,6 +376,37 @@ class Call:
         finally:
             handle.close()
             self._finish(status, usage)
+
+    # -- the response cache ------------------------------------------------------
+
+    async def _look_up(self, cached: CacheStep) -> Response | None:
+        """The stored answer, replayed; None to compute it (recording it if it may be kept)."""
+        assert self.target is not None
+        entry = await cached.look_up(
+            self.kind,
+            self.target.model,
+            self.raw,
+            header(self.request, b"cache-control"),
+            self.pool.healthy_workers(),
+        )
+        if entry is None:
+            self.recorded = cached.recorded
+            return None
+        self._finish(200)
+        return replay(self.builder, entry, self.body.stream, self.body.include_usage)
+
+    async def _store(
+        self, handle: RequestHandle, usage: protocol.Usage, headers: dict[str, str]
+    ) -> None:
+        if self.cached is None or self.recorded is None:
+            return
+        await self.cached.store(
+            usage,
+            len(self.builder.choices),
+            handle.tier.model,
+            handle.worker.system_fingerprint,
+            {k: v for k, v in headers.items() if k not in (WORKER_HEADER, CACHE_HEADER)},
+        )
 
     # -- accounting ------------------------------------------------------------
 

@@ -1,0 +1,120 @@
+"""One request's use of the response cache (``gateway.cache``), for :class:`~gateway.api.call.Call`.
+
+Before admission, :meth:`CacheStep.look_up` finds a stored answer, which
+:func:`replay` serves through the request's own response builder (whole or
+streamed, as the request asks, with its own id and creation time). On a
+miss that may be stored, the call records the worker's deltas as they come
+into ``recorded``, and :meth:`CacheStep.store` keeps the answer once it
+finished normally.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import msgspec
+from fastapi.responses import Response, StreamingResponse
+
+from gateway import metrics, sse
+from gateway.cache import Entry, ResponseCache, controls, in_scope, key_for
+from gateway.workers import WorkerState
+from shared import protocol
+
+# What the response cache did: hit, miss or bypass (absent with no --cache).
+CACHE_HEADER = "x-llmgate-cache"
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+JSON = "application/json"
+
+
+class CacheStep:
+    def __init__(self, cache: ResponseCache) -> None:
+        self.cache = cache
+        self.result = ""  # hit, miss or bypass: the response header
+        self.key = ""
+        # The worker's output as it came, while the answer may be stored.
+        self.recorded: list[protocol.Delta] | None = None
+
+    async def look_up(
+        self,
+        kind: str,
+        served_model: str,
+        body: dict[str, Any],
+        cache_control: str | None,
+        workers: Iterable[WorkerState],
+    ) -> Entry | None:
+        """The stored answer for this request, if it may have one; else note
+        whether its answer may be stored."""
+        wanted = controls(cache_control)
+        if not (wanted.read or wanted.write) or not in_scope(body, self.cache.scope):
+            self._count("bypass")
+            return None
+        self.key = key_for(kind, served_model, body)
+        if wanted.read:
+            entry = await self.cache.get(self.key)
+            if entry is not None and _fresh(entry, workers):
+                self._count("hit")
+                return entry
+        self._count("miss")
+        if wanted.write:
+            self.recorded = []
+        return None
+
+    def _count(self, result: str) -> None:
+        self.result = result
+        metrics.child(metrics.CACHE_REQUESTS, result).inc()
+
+    async def store(
+        self,
+        usage: protocol.Usage,
+        num_choices: int,
+        served_model: str,
+        system_fingerprint: str | None,
+        headers: dict[str, str],
+    ) -> None:
+        """Keep an answer every choice of which stopped or hit its length."""
+        recorded = self.recorded
+        if recorded is None:
+            return
+        ended = {d.index for d in recorded if d.finish_reason not in (None, "abort")}
+        if len(ended) != num_choices:
+            return
+        entry = Entry(
+            deltas=[msgspec.structs.replace(d, request_id="") for d in recorded],
+            usage=usage,
+            served_model=served_model,
+            system_fingerprint=system_fingerprint,
+            headers=headers,
+        )
+        await self.cache.put(self.key, entry)
+
+
+def _fresh(entry: Entry, workers: Iterable[WorkerState]) -> bool:
+    """Whether the engine that computed ``entry`` still serves its model (a
+    worker of the same fingerprint; with none serving it, the entry stands)."""
+    fingerprints = {w.system_fingerprint for w in workers if entry.served_model in w.models}
+    return not fingerprints or entry.system_fingerprint in fingerprints
+
+
+def replay(
+    builder: sse.ResponseBuilder, entry: Entry, stream: bool, include_usage: bool
+) -> Response:
+    """A hit, through the same builder as a fresh answer."""
+    builder.system_fingerprint = entry.system_fingerprint
+    headers = {**entry.headers, CACHE_HEADER: "hit"}
+    if not stream:
+        for delta in entry.deltas:
+            builder.add(delta)
+        return Response(builder.body(entry.usage), media_type=JSON, headers=headers)
+
+    async def events() -> AsyncIterator[bytes]:
+        for delta in entry.deltas:
+            yield builder.chunk(delta)
+        if include_usage:
+            yield builder.usage_chunk(entry.usage)
+        if builder.done:
+            yield builder.done
+
+    return StreamingResponse(
+        events(), media_type="text/event-stream", headers={**STREAM_HEADERS, **headers}
+    )

@@ -1,0 +1,228 @@
+"""OpenAI's Files and Batches API: ``/v1/files`` and ``/v1/batches``.
+
+The shapes are OpenAI's (``gateway.batch.store``), so ``client.files.create``
+and ``client.batches.create`` of the OpenAI SDK work unchanged. Input files
+are checked when uploaded and again when a batch is created from them
+(``gateway.batch.jsonl``): bad input is a 400 naming the line, an unknown id
+a 404. The database is touched from a thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from starlette.datastructures import UploadFile
+from starlette.types import Message, Receive
+
+from gateway import errors, schemas, sse
+from gateway.api.http import header, read_body
+from gateway.batch import Batches, jsonl
+from gateway.batch.store import Store
+
+router = APIRouter(tags=["Batch"])
+
+JSON = "application/json"
+# Purposes a file may be uploaded for: a batch's input is the only use here.
+PURPOSES = ("batch",)
+FILES_LIMIT = (10_000, 10_000)  # default and most, as OpenAI's
+BATCHES_LIMIT = (20, 100)
+
+
+def _batches(request: Request) -> Batches:
+    batches: Batches = request.app.state.batches
+    return batches
+
+
+def _store(request: Request) -> Store:
+    batches = _batches(request)
+    if batches.store is None:
+        raise errors.NoWorker(f"Files and batches are unavailable: {batches.problem}")
+    return batches.store
+
+
+def _json(value: Any) -> Response:
+    return Response(sse.encode(value), media_type=JSON)
+
+
+def _page(data: list[dict[str, Any]], has_more: bool) -> Response:
+    return _json(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": has_more,
+        }
+    )
+
+
+def _limit(request: Request, bounds: tuple[int, int]) -> int:
+    value = request.query_params.get("limit")
+    if value is None:
+        return bounds[0]
+    if not value.isdigit() or not 1 <= int(value) <= bounds[1]:
+        raise errors.BadRequest(f"`limit` must be an integer from 1 to {bounds[1]}.", "limit")
+    return int(value)
+
+
+# -- files ----------------------------------------------------------------------
+
+
+@router.post("/v1/files")
+async def create_file(request: Request) -> Response:
+    """Upload a batch input file (multipart: ``file`` and ``purpose``)."""
+    store = _store(request)
+    limit = _batches(request).max_file_bytes
+    declared = header(request, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    limited = Request(request.scope, _limited(request.receive, limit))
+    async with limited.form(max_files=1, max_fields=8) as form:
+        purpose = form.get("purpose")
+        upload = form.get("file")
+        if purpose not in PURPOSES:
+            raise errors.BadRequest(
+                f"`purpose` must be {' or '.join(PURPOSES)}, not {purpose!r}.", "purpose"
+            )
+        if not isinstance(upload, UploadFile):
+            raise errors.BadRequest("`file` is required: the JSONL file, as a file part.", "file")
+        data = await upload.read()
+        filename = upload.filename or "input.jsonl"
+    await asyncio.to_thread(jsonl.parse, data)  # refused now, not when a batch is created
+    return _json(await asyncio.to_thread(store.add_file, data, filename, str(purpose)))
+
+
+def _too_large(limit: int) -> errors.PayloadTooLarge:
+    return errors.PayloadTooLarge(
+        f"The file is larger than this server's --max-file-bytes of {limit} bytes.", "file"
+    )
+
+
+def _limited(receive: Receive, limit: int) -> Receive:
+    """``receive``, refusing a body (say, a chunked one) once it passes ``limit`` bytes."""
+    size = 0
+
+    async def limited() -> Message:
+        nonlocal size
+        message = await receive()
+        size += len(message.get("body", b""))
+        if size > limit:
+            raise _too_large(limit)
+        return message
+
+    return limited
+
+
+@router.get("/v1/files")
+async def list_files(request: Request) -> Response:
+    store = _store(request)
+    params = request.query_params
+    order = params.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise errors.BadRequest("`order` must be asc or desc.", "order")
+    limit = _limit(request, FILES_LIMIT)
+    data, more = await asyncio.to_thread(
+        store.list_files, params.get("purpose"), params.get("after"), limit, order == "asc"
+    )
+    return _page(data, more)
+
+
+@router.get("/v1/files/{file_id}")
+async def retrieve_file(request: Request, file_id: str) -> Response:
+    file = await asyncio.to_thread(_store(request).get_file, file_id)
+    if file is None:
+        raise _no_file(file_id)
+    return _json(file)
+
+
+@router.get("/v1/files/{file_id}/content")
+async def file_content(request: Request, file_id: str) -> Response:
+    content = await asyncio.to_thread(_store(request).file_content, file_id)
+    if content is None:
+        raise _no_file(file_id)
+    return Response(content, media_type="application/octet-stream")
+
+
+@router.delete("/v1/files/{file_id}")
+async def delete_file(request: Request, file_id: str) -> Response:
+    if not await asyncio.to_thread(_store(request).delete_file, file_id):
+        raise _no_file(file_id)
+    return _json({"id": file_id, "object": "file", "deleted": True})
+
+
+def _no_file(file_id: str, param: str | None = None) -> errors.NotFound:
+    return errors.NotFound(f"No such file: {file_id!r}.", param)
+
+
+# -- batches ----------------------------------------------------------------------
+
+
+@router.post("/v1/batches")
+async def create_batch(request: Request) -> Response:
+    batches = _batches(request)
+    store = _store(request)
+    raw = schemas.decode_body(await read_body(request, 1024 * 1024))
+    file_id = raw.get("input_file_id")
+    if not isinstance(file_id, str):
+        raise errors.BadRequest("`input_file_id` must be a file id.", "input_file_id")
+    jsonl.check_batch([], raw.get("endpoint"), raw.get("completion_window"))
+    metadata = jsonl.check_metadata(raw.get("metadata"))
+
+    def create() -> dict[str, Any]:
+        file = store.get_file(file_id)
+        content = store.file_content(file_id)
+        if file is None or content is None:
+            raise _no_file(file_id, "input_file_id")
+        if file["purpose"] != "batch":
+            raise errors.BadRequest(
+                f"File {file_id} has purpose {file['purpose']!r}, not batch.", "input_file_id"
+            )
+        lines = jsonl.parse(content)
+        endpoint = jsonl.check_batch(lines, raw["endpoint"], raw["completion_window"])
+        return store.create_batch(file_id, endpoint, raw["completion_window"], metadata, lines)
+
+    batch = await asyncio.to_thread(create)
+    if batches.runner is not None:
+        batches.runner.wake()
+    return _json(batch)
+
+
+@router.get("/v1/batches")
+async def list_batches(request: Request) -> Response:
+    store = _store(request)
+    limit = _limit(request, BATCHES_LIMIT)
+    after = request.query_params.get("after")
+    data, more = await asyncio.to_thread(store.list_batches, after, limit)
+    return _page(data, more)
+
+
+@router.get("/v1/batches/{batch_id}")
+async def retrieve_batch(request: Request, batch_id: str) -> Response:
+    batch = await asyncio.to_thread(_store(request).get_batch, batch_id)
+    if batch is None:
+        raise _no_batch(batch_id)
+    return _json(batch)
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+async def cancel_batch(request: Request, batch_id: str) -> Response:
+    """Cancel a job: its lines in flight are aborted, those not run go to the error file."""
+    batches = _batches(request)
+    store = _store(request)
+    batch = await asyncio.to_thread(
+        store.set_status, batch_id, "cancelling", ("validating", "in_progress")
+    )
+    if batch is None:
+        raise _no_batch(batch_id)
+    if batch["status"] not in ("cancelling", "cancelled"):
+        raise errors.BadRequest(f"Batch {batch_id} is {batch['status']}: too late to cancel.")
+    if batches.runner is not None:
+        batches.runner.wake()
+    return _json(batch)
+
+
+def _no_batch(batch_id: str) -> errors.NotFound:
+    return errors.NotFound(f"No such batch: {batch_id!r}.")

@@ -1,0 +1,135 @@
+"""gateway/batch/runner.py's own logic, with a stand-in for the gateway's app: what each
+line's request looks like, retries of 429s, cancelling, expiry. (The real request
+path runs under tests/integration/test_batches.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.batch import jsonl, runner
+from gateway.batch.runner import Runner
+from gateway.batch.store import Store
+
+CHAT = "/v1/chat/completions"
+
+
+class App:
+    """Answers each request with ``statuses`` in turn (then 200), or holds it until
+    its client leaves when ``hold`` is set; records every scope."""
+
+    def __init__(self, statuses: list[int] | None = None, hold: bool = False) -> None:
+        self.statuses = statuses or []
+        self.hold = hold
+        self.scopes: list[dict[str, Any]] = []
+        self.started = asyncio.Event()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self.scopes.append(scope)
+        body = (await receive())["body"]
+        self.started.set()
+        if self.hold:
+            assert (await receive())["type"] == "http.disconnect"
+            return  # as the gateway does for a client that left
+        status = self.statuses.pop(0) if self.statuses else 200
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send(
+            {"type": "http.response.body", "body": json.dumps({"echo": json.loads(body)}).encode()}
+        )
+
+
+def make(
+    tmp_path: Path, app: App, count: int, metadata: dict[str, str] | None = None
+) -> tuple[Runner, Store, str]:
+    store = Store(tmp_path)
+    data = "\n".join(
+        json.dumps({"custom_id": f"c{i}", "method": "POST", "url": CHAT, "body": {"n": i}})
+        for i in range(count)
+    )
+    batch = store.create_batch("file-x", CHAT, "24h", metadata, jsonl.parse(data.encode()))
+    return Runner(store, app, lambda: 4, lambda: 1e9, 2), store, batch["id"]
+
+
+async def finished(store: Store, batch_id: str) -> dict[str, Any]:
+    async with asyncio.timeout(10):
+        while True:
+            batch = store.get_batch(batch_id)
+            assert batch is not None
+            if batch["status"] in ("completed", "cancelled", "expired"):
+                return batch
+            await asyncio.sleep(0.01)
+
+
+def content(store: Store, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    return [json.loads(x) for x in (store.file_content(file_id) or b"").splitlines()]
+
+
+async def test_each_line_is_a_low_priority_request_and_a_429_is_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(runner, "RETRY_PAUSES", (0.01,))
+    app = App(statuses=[429, 400])
+    batch_runner, store, batch_id = make(tmp_path, app, 3)
+    batch_runner.start()
+    batch = await finished(store, batch_id)
+    await batch_runner.stop()
+    assert batch["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
+    assert len(app.scopes) == 4  # the 429 was not a result
+    scope = app.scopes[0]
+    headers = dict(scope["headers"])
+    assert scope["path"] == CHAT and scope["llmgate.priority"] == "batch"
+    assert headers[b"cache-control"] == b"no-store"  # no precompute asked
+    assert headers[b"x-request-id"].startswith(batch_id.encode())
+    [error] = content(store, batch["error_file_id"])
+    assert error["response"]["status_code"] == 400
+    output = content(store, batch["output_file_id"])
+    assert [x["response"]["body"]["echo"]["n"] for x in output] == [
+        i for i in range(3) if i != error["response"]["body"]["echo"]["n"]
+    ]
+
+
+async def test_a_precompute_batch_lets_the_cache_work(tmp_path: Path) -> None:
+    app = App()
+    batch_runner, store, batch_id = make(tmp_path, app, 1, {"llmgate_cache": "true"})
+    batch_runner.start()
+    await finished(store, batch_id)
+    await batch_runner.stop()
+    assert b"cache-control" not in dict(app.scopes[0]["headers"])
+
+
+async def test_cancelling_ends_the_lines_in_flight_and_reports_the_rest(tmp_path: Path) -> None:
+    app = App(hold=True)
+    batch_runner, store, batch_id = make(tmp_path, app, 5)
+    batch_runner.start()
+    await app.started.wait()
+    store.set_status(batch_id, "cancelling", ("in_progress",))
+    batch_runner.wake()
+    batch = await finished(store, batch_id)
+    await batch_runner.stop()
+    assert batch["status"] == "cancelled" and batch["request_counts"]["completed"] == 0
+    errors = content(store, batch["error_file_id"])
+    assert sorted(x["custom_id"] for x in errors) == [f"c{i}" for i in range(5)]
+    assert {x["error"]["code"] for x in errors} == {"batch_cancelled"}
+    assert len(app.scopes) <= 2  # the cap: two in flight, no more started
+
+
+async def test_lines_not_run_by_the_end_of_the_window_expire(tmp_path: Path) -> None:
+    app = App()
+    batch_runner, store, batch_id = make(tmp_path, app, 2)
+    with store._write() as db:  # a job created a day ago
+        db.execute(
+            "UPDATE batches SET object = json_set(object, '$.expires_at', ?) WHERE id = ?",
+            (int(time.time()) - 1, batch_id),
+        )
+    batch_runner.start()
+    batch = await finished(store, batch_id)
+    await batch_runner.stop()
+    assert batch["status"] == "expired" and not app.scopes
+    assert {x["error"]["code"] for x in content(store, batch["error_file_id"])} == {"batch_expired"}

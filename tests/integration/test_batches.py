@@ -1,0 +1,309 @@
+"""Batch jobs end to end: the OpenAI SDK's Files and Batches calls against lone gateways in
+front of the session's real worker, each with a state directory of its own.
+
+Progress is watched through ``GET /v1/batches/{id}`` (``request_counts``),
+never through sleeps: a job is killed, cancelled or waited for once the
+counts say it got that far.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import MODEL, ROOT, Served, start_gateway, stop_serve
+from tests.integration.test_pool import metric, wait_for
+
+CHAT = "/v1/chat/completions"
+
+
+def requests(count: int, max_tokens: int = 4, tag: str = "", **extra: Any) -> list[dict[str, Any]]:
+    return [
+        {
+            "custom_id": f"req-{i}",
+            "method": "POST",
+            "url": CHAT,
+            "body": {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"Count to {i}. {tag}"}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                **extra,
+            },
+        }
+        for i in range(count)
+    ]
+
+
+def upload(client: openai.OpenAI, items: list[dict[str, Any]]) -> str:
+    data = "".join(json.dumps(item) + "\n" for item in items).encode()
+    return client.files.create(file=("input.jsonl", io.BytesIO(data)), purpose="batch").id
+
+
+def client_of(gateway: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def create(client: openai.OpenAI, items: list[dict[str, Any]], **extra: Any) -> str:
+    file_id = upload(client, items)
+    batch = client.batches.create(
+        input_file_id=file_id, endpoint=CHAT, completion_window="24h", **extra
+    )
+    assert batch.status == "validating" and batch.input_file_id == file_id
+    return batch.id
+
+
+def counts(gateway: Served, batch_id: str) -> dict[str, Any]:
+    """The job as the gateway reports it now (plain HTTP: works while a gateway restarts)."""
+    response = httpx.get(f"{gateway.base_url}/v1/batches/{batch_id}", timeout=10)
+    assert response.status_code == 200, response.text
+    batch: dict[str, Any] = response.json()
+    return batch
+
+
+def wait_until(gateway: Served, batch_id: str, done: Any, timeout: float = 300) -> None:
+    wait_for(lambda: done(counts(gateway, batch_id)), timeout, interval=0.2, show=gateway.log_tail)
+
+
+def finished(batch: dict[str, Any]) -> bool:
+    return batch["status"] in ("completed", "failed", "expired", "cancelled")
+
+
+def lines_of(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+def lone(tmp_path: Path, served: Served, name: str, *flags: str) -> Served:
+    state = tmp_path / "state"
+    return start_gateway(
+        tmp_path / f"{name}.log", served.worker_addresses(1), "--state-dir", str(state), *flags
+    )
+
+
+@pytest.fixture
+def gateway(served: Served, tmp_path: Path) -> Iterator[Served]:
+    running = lone(tmp_path, served, "gateway")
+    try:
+        yield running
+    finally:
+        stop_serve(running)
+
+
+def test_the_sdk_runs_a_200_line_batch_to_one_answer_per_custom_id(gateway: Served) -> None:
+    client = client_of(gateway)
+    items = requests(200)
+    batch_id = create(client, items, metadata={"purpose": "test"})
+    wait_until(gateway, batch_id, finished)
+    batch = client.batches.retrieve(batch_id)
+    assert batch.status == "completed", batch
+    assert batch.request_counts is not None
+    assert (batch.request_counts.total, batch.request_counts.completed) == (200, 200)
+    assert batch.metadata == {"purpose": "test"} and batch.error_file_id is None
+    output = lines_of(client, batch.output_file_id)
+    assert [line["custom_id"] for line in output] == [item["custom_id"] for item in items]
+    for line in output:
+        assert line["id"].startswith("batch_req_") and line["error"] is None
+        response = line["response"]
+        assert response["status_code"] == 200
+        assert response["body"]["object"] == "chat.completion"
+        assert response["body"]["usage"]["completion_tokens"] <= 4
+        assert response["body"]["id"] == f"chatcmpl-{response['request_id']}"
+    # Listed, and its files too; the input file can be deleted.
+    assert batch_id in [b.id for b in client.batches.list()]
+    purposes = {f.id: f.purpose for f in client.files.list()}
+    assert purposes[batch.output_file_id] == "batch_output"  # type: ignore[index]
+    assert client.files.delete(batch.input_file_id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(batch.input_file_id)
+    completed = metric(gateway.base_url, "llmgate_batch_lines_total", status="completed")
+    assert completed == 200
+    wait_for(
+        lambda: metric(gateway.base_url, "llmgate_batch_jobs", status="completed") == 1,
+        timeout=10,
+    )
+
+
+def test_a_line_the_gateway_refuses_goes_to_the_error_file(gateway: Served) -> None:
+    client = client_of(gateway)
+    items = requests(3)
+    items[1]["body"]["model"] = "no-such-model"
+    batch_id = create(client, items)
+    wait_until(gateway, batch_id, finished)
+    batch = client.batches.retrieve(batch_id)
+    assert batch.status == "completed" and batch.request_counts is not None
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
+    assert [x["custom_id"] for x in lines_of(client, batch.output_file_id)] == ["req-0", "req-2"]
+    [error] = lines_of(client, batch.error_file_id)
+    assert error["custom_id"] == "req-1" and error["response"]["status_code"] == 404
+    assert error["response"]["body"]["error"]["code"] == "model_not_found"
+
+
+def test_bad_input_is_a_clear_400_or_404(gateway: Served) -> None:
+    client = client_of(gateway)
+    good = upload(client, requests(2))
+    broken = (json.dumps(requests(1)[0]) + "\nnot json\n").encode()
+    with pytest.raises(openai.BadRequestError, match="Line 2 of the file"):
+        client.files.create(file=("x.jsonl", io.BytesIO(broken)), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        client.files.create(file=("x.jsonl", io.BytesIO(b"{}")), purpose="assistants")
+    duplicate = "".join(json.dumps(r) + "\n" for r in requests(2) * 2).encode()
+    with pytest.raises(openai.BadRequestError, match="each request needs its own"):
+        client.files.create(file=("x.jsonl", io.BytesIO(duplicate)), purpose="batch")
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id="file-nope", endpoint=CHAT, completion_window="24h")
+    with pytest.raises(openai.BadRequestError, match="every request of this batch"):
+        client.batches.create(
+            input_file_id=good, endpoint="/v1/completions", completion_window="24h"
+        )
+    with pytest.raises(openai.BadRequestError, match="completion_window"):
+        client.batches.create(input_file_id=good, endpoint=CHAT, completion_window="1h")  # type: ignore[arg-type]
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_nope")
+    with pytest.raises(openai.NotFoundError):
+        client.files.content("file-nope")
+    assert "Traceback" not in gateway.log_path.read_text()
+
+
+def test_a_cancelled_batch_stops_and_says_which_lines_did_not_run(
+    served: Served, tmp_path: Path
+) -> None:
+    gateway = lone(tmp_path, served, "gateway", "--batch-max-inflight", "1")
+    try:
+        client = client_of(gateway)
+        batch_id = create(client, requests(40, max_tokens=32))
+        wait_until(gateway, batch_id, lambda b: b["request_counts"]["completed"] >= 1)
+        cancelling = client.batches.cancel(batch_id)
+        assert cancelling.status in ("cancelling", "cancelled")
+        wait_until(gateway, batch_id, finished, timeout=60)
+        batch = client.batches.retrieve(batch_id)
+        assert batch.status == "cancelled" and batch.cancelled_at is not None
+        answered = lines_of(client, batch.output_file_id)
+        not_run = lines_of(client, batch.error_file_id)
+        assert 1 <= len(answered) < 40
+        assert {x["error"]["code"] for x in not_run} == {"batch_cancelled"}
+        ids = [x["custom_id"] for x in answered + not_run]
+        assert sorted(ids) == sorted(f"req-{i}" for i in range(40))
+        assert client.batches.cancel(batch_id).status == "cancelled"  # again: no change
+        # Its line in flight was aborted, not left running.
+        wait_for(lambda: metric(gateway.base_url, "llmgate_requests_in_flight") == 0, timeout=30)
+    finally:
+        stop_serve(gateway)
+
+
+def test_a_gateway_killed_mid_batch_resumes_it_with_no_line_lost_or_doubled(
+    served: Served, tmp_path: Path
+) -> None:
+    flags = ("--batch-max-inflight", "2")
+    first = lone(tmp_path, served, "first", *flags)
+    client = client_of(first)
+    total = 60
+    batch_id = create(client, requests(total, max_tokens=16))
+    try:
+        wait_until(first, batch_id, lambda b: b["request_counts"]["completed"] >= 10)
+        before = counts(first, batch_id)["request_counts"]["completed"]
+    finally:
+        stop_serve(first, signal.SIGKILL)
+    assert before < total
+    second = lone(tmp_path, served, "second", *flags)
+    try:
+        wait_until(second, batch_id, finished)
+        batch = client_of(second).batches.retrieve(batch_id)
+        assert batch.status == "completed" and batch.request_counts is not None
+        assert (batch.request_counts.completed, batch.request_counts.failed) == (total, 0)
+        output = lines_of(client_of(second), batch.output_file_id)
+        assert [x["custom_id"] for x in output] == [f"req-{i}" for i in range(total)]
+        # Only what the first gateway had not committed ran again.
+        rerun = metric(second.base_url, "llmgate_batch_lines_total", status="completed")
+        assert rerun is not None and rerun <= total - before
+    finally:
+        stop_serve(second)
+
+
+def test_a_precompute_batch_makes_the_same_requests_cache_hits(
+    served: Served, tmp_path: Path
+) -> None:
+    gateway = lone(tmp_path, served, "gateway", "--cache", "memory")
+    try:
+        client = client_of(gateway)
+        tag = f"precompute {time.time_ns()}"
+        items = requests(5, max_tokens=8, tag=tag)
+        plain = requests(1, max_tokens=8, tag=f"{tag} plain")
+        plain_id = create(client, plain)
+        batch_id = create(client, items, metadata={"llmgate_cache": "true"})
+        for job in (plain_id, batch_id):
+            wait_until(gateway, job, finished)
+        batch = client.batches.retrieve(batch_id)
+        assert batch.status == "completed"
+        answers = {
+            x["custom_id"]: x["response"]["body"] for x in lines_of(client, batch.output_file_id)
+        }
+        for item in items:
+            response = httpx.post(f"{gateway.base_url}{CHAT}", json=item["body"], timeout=60)
+            assert response.status_code == 200
+            assert response.headers["x-llmgate-cache"] == "hit"
+            got = response.json()["choices"][0]["message"]["content"]
+            assert got == answers[item["custom_id"]]["choices"][0]["message"]["content"]
+        # A batch without the metadata leaves the cache alone.
+        response = httpx.post(f"{gateway.base_url}{CHAT}", json=plain[0]["body"], timeout=60)
+        assert response.headers["x-llmgate-cache"] == "miss"
+    finally:
+        stop_serve(gateway)
+
+
+def test_the_session_workers_run_the_priority_scheduling_policy(served: Served) -> None:
+    """Workers default to --scheduling-policy priority, and vLLM took it."""
+    served.wait_for_log("scheduling policy priority: batch lines run after interactive")
+
+
+def test_llmgate_batch_against_a_running_gateway(gateway: Served, tmp_path: Path) -> None:
+    source = tmp_path / "in.jsonl"
+    items = requests(3)
+    items[2]["body"]["model"] = "no-such-model"
+    source.write_text("".join(json.dumps(item) + "\n" for item in items))
+    output = tmp_path / "out.jsonl"
+    command = [sys.executable, "-m", "shared.cli", "batch", str(source), str(output)]
+    done = subprocess.run(
+        [*command, "--url", gateway.base_url], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 1, done.stderr  # one request failed
+    assert [json.loads(x)["custom_id"] for x in output.read_text().splitlines()] == [
+        "req-0",
+        "req-1",
+    ]
+    errors = tmp_path / "out.errors.jsonl"
+    assert [json.loads(x)["custom_id"] for x in errors.read_text().splitlines()] == ["req-2"]
+
+
+@pytest.mark.slow
+def test_llmgate_batch_offline_starts_and_stops_its_own_serve(tmp_path: Path) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(item) + "\n" for item in requests(4)))
+    output = tmp_path / "out.jsonl"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "shared.cli", "batch", str(source), str(output)),
+            *("--", "--enforce-eager"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(x) for x in output.read_text().splitlines()]
+    assert [x["custom_id"] for x in lines] == [f"req-{i}" for i in range(4)]
+    assert all(x["response"]["status_code"] == 200 for x in lines)
+    assert not (tmp_path / "out.errors.jsonl").exists()
