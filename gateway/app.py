@@ -19,7 +19,7 @@ from gateway.api import auth, direct, health, openai, request_ids
 from gateway.api import tgi as _tgi_endpoints  # noqa: F401  (attach themselves to routes)
 from gateway.api.request_ids import request_id_of
 from gateway.batch import api as batch_api
-from gateway.cache import open_cache
+from gateway.cache import merge_config, open_cache
 from gateway.pool import Pool
 from gateway.routes import render
 from shared.settings import GatewaySettings
@@ -63,9 +63,11 @@ def create_api(settings: GatewaySettings) -> FastAPI:
         pool = Pool(settings)
         await pool.start()
         app.state.pool = pool
-        # None when --cache is off.
+        # None when --cache is off; the pools file's `cache:` fills in the
+        # settings that flags and environment left at their defaults.
+        cached = merge_config(settings, pool.names.config)
         app.state.cache = cache = open_cache(
-            settings.cache, settings.cache_ttl, settings.cache_max_bytes, settings.cache_scope
+            cached.cache, cached.cache_ttl, cached.cache_max_bytes, cached.cache_scope
         )
         # Files and batch jobs; the runner sends its lines through the app above.
         app.state.batches = batches = batch.start(

@@ -18,12 +18,16 @@ import os
 import shutil
 import signal
 import tempfile
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from gateway import metrics
 from shared import settings
 from shared.logs import setup_logging
+
+if TYPE_CHECKING:
+    from shared.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +53,12 @@ def main(argv: list[str] | None = None) -> None:
     if gateway.policy not in POLICY_NAMES:
         raise SystemExit(f"--policy must be one of {', '.join(POLICY_NAMES)}")
     _check_keys(gateway)
-    _check_config(gateway)
-    from gateway.cache import check_settings
+    config = _check_config(gateway)
+    from gateway.cache import check_settings, merge_config
 
-    problem = check_settings(gateway.cache, gateway.cache_scope)
+    # The file's `cache:` is checked with the file; flags and env win over it.
+    cached = merge_config(gateway, config)
+    problem = check_settings(cached.cache, cached.cache_scope)
     if problem:
         raise SystemExit(f"llmgate gateway: {problem}")
     # The app factory reads its settings from the environment, in this
@@ -107,10 +113,10 @@ def _check_keys(gateway: settings.GatewaySettings) -> None:
     )
 
 
-def _check_config(gateway: settings.GatewaySettings) -> None:
+def _check_config(gateway: settings.GatewaySettings) -> Config | None:
     """Refuse to start on a bad --config file, naming its line and field."""
     if not gateway.config:
-        return
+        return None
     from shared.config import ConfigError, load
 
     try:
@@ -122,6 +128,7 @@ def _check_config(gateway: settings.GatewaySettings) -> None:
         gateway.config,
         ", ".join(f"{p.name} ({p.model_name}, tier {p.tier})" for p in config.pools),
     )
+    return config
 
 
 def _ignore(_signum: int, _frame: object) -> None:

@@ -22,14 +22,23 @@ the compose generator and the Helm chart. Example (runs on a CPU-only box)::
       rules:
         - {name: long-prompt, prompt_tokens_over: 500, use: smollm2-f32}
       default: fast
+    cache:                        # the gateway's response cache (README "Response cache")
+      url: memory                 # or redis://HOST:PORT/DB; empty = off
+      ttl: 600                    # seconds; also max_bytes (memory) and scope
 
 Errors name the file, the line and the field (:class:`ConfigError`), and are
 found before any process starts.
+
+``cache:`` gives the gateway's ``--cache``, ``--cache-ttl``,
+``--cache-max-bytes`` and ``--cache-scope``: a setting given as a flag or an
+``LLMGATE_CACHE*`` variable wins, the file's value applies where the setting
+is at its default (``gateway.cache.merge_config``).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,10 +117,24 @@ class Auto(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cascade: Cascade | None = None
 
 
+class Cache(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # The gateway's response cache; each field stands in for a setting left at
+    # its default (--cache, --cache-ttl, --cache-max-bytes, --cache-scope).
+    # `memory` or redis://HOST:PORT/DB; empty = as --cache says.
+    url: str = ""
+    # Seconds an entry is kept; None = as --cache-ttl says.
+    ttl: float | None = None
+    # The memory backend's size in bytes; None = as --cache-max-bytes says.
+    max_bytes: int | None = None
+    # deterministic, greedy or all; None = as --cache-scope says.
+    scope: str | None = None
+
+
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pools: list[Pool]
     aliases: dict[str, str] = {}
     auto: Auto | None = None
+    cache: Cache | None = None
 
     def pool(self, name: str) -> Pool:
         return next(p for p in self.pools if p.name == name)
@@ -269,6 +292,24 @@ def _check(config: Config, source: str, lines: dict[tuple[str | int, ...], int])
                 ("auto", "cascade", "escalate_to"),
                 f"{auto.cascade.escalate_to!r} is not a served model or alias",
             )
+    if config.cache is not None:
+        _check_cache(config.cache, fail)
+
+
+def _check_cache(cache: Cache, fail: Callable[[tuple[str | int, ...], str], None]) -> None:
+    from gateway.cache import check_settings
+
+    # check_settings speaks of flags ("--cache must be ..."): keep what follows.
+    problem = check_settings(cache.url, "deterministic")
+    if problem:
+        fail(("cache", "url"), problem.split(" ", 1)[1])
+    problem = check_settings("", cache.scope) if cache.scope is not None else None
+    if problem:
+        fail(("cache", "scope"), problem.split(" ", 1)[1])
+    if cache.ttl is not None and not cache.ttl > 0:
+        fail(("cache", "ttl"), "must be more than 0 seconds")
+    if cache.max_bytes is not None and cache.max_bytes < 1:
+        fail(("cache", "max_bytes"), "must be at least 1 byte")
 
 
 def to_yaml(config: Config) -> str:

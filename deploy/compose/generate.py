@@ -14,8 +14,9 @@ list of workers and the same file serves the ``gpu`` and ``cpu`` profiles.
 
 Profiles: ``gpu`` (the per-GPU workers), ``cpu`` (one CPU worker; runs
 anywhere), ``monitoring`` (Prometheus + Grafana with the llmgate dashboard),
-``redis`` (a Redis for gateway replicas to share). The gateway has no profile
-and always starts.
+``redis`` (a Redis for the response cache all gateway processes share, with
+``GATEWAY_CACHE=redis://redis:6379/0``). The gateway has no profile and
+always starts.
 
 Pools (``--config FILE``, README "Many models behind one URL"): one worker
 service per worker of each pool, named ``worker-<pool>-<i>``, with the pool's
@@ -48,6 +49,7 @@ HEADER = """\
 #   docker compose -f deploy/compose/compose.yaml --profile gpu up -d   # {gpus} GPUs
 #   docker compose -f deploy/compose/compose.yaml --profile cpu up -d   # no GPU
 #   ... --profile monitoring   # + Prometheus :9090, Grafana :3000
+#   GATEWAY_CACHE=redis://redis:6379/0 ... --profile redis   # + a shared response cache
 name: llmgate
 
 x-worker: &worker
@@ -105,6 +107,12 @@ services:
       LLMGATE_API_KEYS_FILE: ${{LLMGATE_API_KEYS_FILE:-}}
       LLMGATE_CURVE_GATEWAY_KEY_FILE: ${{LLMGATE_CURVE_GATEWAY_KEY_FILE:-}}
       LLMGATE_CURVE_WORKER_PUBLIC_KEY_FILE: ${{LLMGATE_CURVE_WORKER_PUBLIC_KEY_FILE:-}}
+      # Response cache, off unless set: `memory` (per gateway process), or
+      # GATEWAY_CACHE=redis://redis:6379/0 with `--profile redis` (shared).
+      # At their defaults these leave the pools file's `cache:` in charge.
+      LLMGATE_CACHE: ${{GATEWAY_CACHE:-}}
+      LLMGATE_CACHE_TTL: ${{GATEWAY_CACHE_TTL:-3600}}
+      LLMGATE_CACHE_SCOPE: ${{GATEWAY_CACHE_SCOPE:-deterministic}}
     volumes:
       - ./keys:/etc/llmgate/keys:ro
       # Uploaded files and batch jobs (LLMGATE_STATE_DIR): kept across restarts.

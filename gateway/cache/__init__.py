@@ -4,16 +4,24 @@
 the cache; ``cache`` holds the entries and survives a failing backend;
 ``memory`` and ``redis_store`` are the two backends. ``gateway.api.call``
 looks a request up before admission and stores a response that finished
-normally.
+normally. The settings come from flags and ``LLMGATE_CACHE*`` variables, and
+where those are left at their defaults from the pools file's ``cache:``
+section (:func:`merge_config`).
 """
 
 from __future__ import annotations
 
-from typing import cast
+from typing import TYPE_CHECKING, cast
+
+import msgspec
 
 from gateway.cache.cache import Entry, ResponseCache, Store
 from gateway.cache.keys import SCOPES, Controls, Scope, controls, in_scope, key_for
 from gateway.cache.memory import MemoryStore
+
+if TYPE_CHECKING:
+    from shared.config import Config
+    from shared.settings import GatewaySettings
 
 __all__ = [
     "SCOPES",
@@ -24,6 +32,7 @@ __all__ = [
     "controls",
     "in_scope",
     "key_for",
+    "merge_config",
     "open_cache",
 ]
 
@@ -35,6 +44,27 @@ def check_settings(url: str, scope: str) -> str | None:
     if scope not in SCOPES:
         return f"--cache-scope must be one of {', '.join(SCOPES)}, not {scope!r}"
     return None
+
+
+def merge_config(settings: GatewaySettings, config: Config | None) -> GatewaySettings:
+    """``settings`` with the pools file's ``cache:`` section filling in each cache
+    setting that flags and environment left at its default: they win."""
+    section = config.cache if config is not None else None
+    if section is None:
+        return settings
+    defaults = {field.name: field.default for field in msgspec.structs.fields(settings)}
+    from_file = {
+        "cache": section.url or None,
+        "cache_ttl": section.ttl,
+        "cache_max_bytes": section.max_bytes,
+        "cache_scope": section.scope,
+    }
+    changes = {
+        name: value
+        for name, value in from_file.items()
+        if value is not None and getattr(settings, name) == defaults[name]
+    }
+    return msgspec.structs.replace(settings, **changes)
 
 
 def open_cache(url: str, ttl: float, max_bytes: int, scope: str) -> ResponseCache | None:

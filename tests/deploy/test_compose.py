@@ -324,3 +324,38 @@ def test_a_pools_config_gets_a_worker_service_per_pool_worker(cpu: bool) -> None
     assert {k for k in gateway["environment"] if k.startswith("LLMGATE_")} <= env_names(
         GatewaySettings
     )
+
+
+def test_the_cache_settings_reach_the_gateway_and_default_to_the_codes(
+    committed: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unset, the cache variables are the settings' defaults (so a pools file's
+    `cache:` still applies); GATEWAY_CACHE=redis://redis:6379/0 names the
+    `redis` profile's service on the gateway's network."""
+    from shared import settings
+
+    defaults = GatewaySettings()
+    env = committed["services"]["gateway"]["environment"]
+    for key in ("LLMGATE_CACHE", "LLMGATE_CACHE_TTL", "LLMGATE_CACHE_SCOPE"):
+        monkeypatch.setenv(key, str(env[key]))
+    parsed = settings.from_environment(GatewaySettings)
+    assert (parsed.cache, parsed.cache_ttl, parsed.cache_scope) == (
+        defaults.cache,
+        defaults.cache_ttl,
+        defaults.cache_scope,
+    )
+    url = "redis://redis:6379/0"
+    model = load(COMPOSE_FILE.read_text(), {"GATEWAY_CACHE": url, "GATEWAY_CACHE_TTL": "60"})
+    gateway = model["services"]["gateway"]
+    assert (
+        gateway["environment"]["LLMGATE_CACHE"],
+        gateway["environment"]["LLMGATE_CACHE_TTL"],
+    ) == (
+        url,
+        "60",
+    )
+    redis = model["services"][urlsplit(url).hostname or ""]
+    assert redis["profiles"] == ["redis"]
+    assert set(redis["networks"]) & set(gateway["networks"])
+    assert urlsplit(url).port == 6379  # redis-server's default port
+    assert "--port" not in redis["command"]

@@ -52,6 +52,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "gateway": {
             "autoscaling": {"targetInFlightPerPod": 64},
             "settings": {"policy": "prefix", "max-queue": 2048},
+            "cache": {"url": "redis://redis.llm:6379/0", "ttl": 600, "scope": "greedy"},
         },
         "secrets": SECRETS,
         "metrics": {"serviceMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": True}},
@@ -263,6 +264,25 @@ def test_api_keys_reach_the_gateway_one_per_line() -> None:
     assert "LLMGATE_API_KEYS_FILE" in environment(objects, one(objects, "Deployment", "gateway"))
 
 
+def test_cache_values_become_the_gateways_cache_settings() -> None:
+    """Set, gateway.cache is LLMGATE_CACHE* (as the code parses it); unset, nothing."""
+    unset = render({})
+    assert not {k for k in environment(unset, one(unset, "Deployment", "gateway")) if "CACHE" in k}
+    cache = {"url": "redis://redis.llm:6379/0", "ttl": 1000000, "maxBytes": 1000000}
+    objects = render({"gateway": {"cache": cache | {"scope": "all"}}})
+    env = environment(objects, one(objects, "Deployment", "gateway"))
+    assert {k: v for k, v in env.items() if "CACHE" in k} == {
+        "LLMGATE_CACHE": "redis://redis.llm:6379/0",
+        "LLMGATE_CACHE_TTL": "1000000",
+        "LLMGATE_CACHE_MAX_BYTES": "1000000",
+        "LLMGATE_CACHE_SCOPE": "all",
+    }
+    objects = render({"gateway": {"cache": {"url": "memory", "ttl": 2.5}}})
+    env = environment(objects, one(objects, "Deployment", "gateway"))
+    assert (env["LLMGATE_CACHE"], env["LLMGATE_CACHE_TTL"]) == ("memory", "2.5")
+    assert "LLMGATE_CACHE_SCOPE" not in env
+
+
 def test_autoscaler_and_disruption_budget_target_the_gateway() -> None:
     objects = render(VALUE_SETS["eight-gpus-everything-on"])
     gateway = one(objects, "Deployment", "gateway")
@@ -392,6 +412,9 @@ def test_each_pool_is_a_statefulset_and_a_service_the_gateways_config_names() ->
         {"gateway": {"prot": 8000}},
         {"worker": {"port": 0}},
         {"gateway": {"autoscaling": {"targetCPUUtilizationPercentage": 150}}},
+        {"gateway": {"cache": {"url": "memcached://cache:11211"}}},
+        {"gateway": {"cache": {"scope": "sometimes"}}},
+        {"gateway": {"cache": {"ttl": -1}}},
     ],
 )
 def test_the_values_schema_rejects_bad_values(values: dict[str, Any]) -> None:

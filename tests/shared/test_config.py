@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,26 @@ def test_the_example_in_the_repository_is_valid() -> None:
             "pools.yaml:3: pools[0].engine_args: set the pool's model",
         ),
         ("pools:\n  - name: a b\n", "pools.yaml:2: pools[0].name: 'a b' is not a usable name"),
+        (
+            "pools:\n  - name: a\ncache:\n  url: memcached://m\n",
+            "pools.yaml:4: cache.url: must be empty, `memory` or a redis:// URL",
+        ),
+        (
+            "pools:\n  - name: a\ncache: {url: memory, scope: sometimes}\n",
+            "pools.yaml:3: cache.scope: must be one of deterministic, greedy, all",
+        ),
+        (
+            "pools:\n  - name: a\ncache:\n  url: memory\n  ttl: 0\n",
+            "pools.yaml:5: cache.ttl: must be more than 0 seconds",
+        ),
+        (
+            "pools:\n  - name: a\ncache:\n  max_bytes: 1.5\n",
+            "pools.yaml:4: cache.max_bytes: Expected int",
+        ),
+        (
+            "pools:\n  - name: a\ncache:\n  uri: memory\n",
+            "pools.yaml:4: cache.uri: no such field",
+        ),
         ("pools:\n  - name: a\n   bad: [\n", "pools.yaml:3: not valid YAML"),
         ("", "pools.yaml: the config file is empty"),
     ],
@@ -106,3 +127,58 @@ def test_a_bad_file_gets_one_message_with_line_and_field(text: str, expected: st
 def test_a_missing_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(config.ConfigError, match="cannot read the config file"):
         config.load(tmp_path / "absent.yaml")
+
+
+CACHED = """\
+pools:
+  - name: a
+cache:
+  url: redis://redis:6379/0
+  ttl: 600
+  max_bytes: 1000000
+  scope: greedy
+"""
+
+
+def test_a_cache_section_reads_and_is_optional() -> None:
+    assert config.parse(GOOD).cache is None
+    cache = config.parse(CACHED).cache
+    assert cache == config.Cache(
+        url="redis://redis:6379/0", ttl=600, max_bytes=1000000, scope="greedy"
+    )
+    partial = config.parse("pools:\n  - name: a\ncache: {url: memory}\n").cache
+    assert partial is not None and partial.ttl is None and partial.scope is None
+    assert config.parse(config.to_yaml(config.parse(CACHED))) == config.parse(CACHED)
+
+
+def test_flags_and_environment_win_over_the_files_cache_section(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gateway.cache import merge_config
+    from shared import settings
+    from shared.settings import GatewaySettings
+
+    parsed = config.parse(CACHED)
+    for name in ("CACHE", "CACHE_TTL", "CACHE_MAX_BYTES", "CACHE_SCOPE"):
+        monkeypatch.delenv(f"LLMGATE_{name}", raising=False)
+    # Left at their defaults: the file's values.
+    merged = merge_config(GatewaySettings(), parsed)
+    assert (merged.cache, merged.cache_ttl, merged.cache_max_bytes, merged.cache_scope) == (
+        "redis://redis:6379/0",
+        600,
+        1000000,
+        "greedy",
+    )
+    # A flag and a variable win; what neither gives still comes from the file.
+    monkeypatch.setenv("LLMGATE_CACHE_TTL", "30")
+    namespace = settings.from_namespace(GatewaySettings, argparse.Namespace(cache="memory"))
+    merged = merge_config(namespace, parsed)
+    assert (merged.cache, merged.cache_ttl, merged.cache_max_bytes, merged.cache_scope) == (
+        "memory",
+        30,
+        1000000,
+        "greedy",
+    )
+    # No file, or no section: the settings as they are.
+    assert merge_config(namespace, None) is namespace
+    assert merge_config(namespace, config.parse(GOOD)) is namespace
