@@ -64,7 +64,7 @@ BatchMaxInflight = Annotated[
     int,
     _help(
         "batch lines in flight at once per gateway process (admission also puts them "
-        "behind interactive requests); 0 = a 32nd of the healthy workers' slots while "
+        "behind interactive requests); 0 = a 128th of the healthy workers' slots while "
         "interactive requests come in, half of them after 5 s without any"
     ),
 ]

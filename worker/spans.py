@@ -355,6 +355,10 @@ class Applied:
     build_seconds: float = 0.0
 
 
+# The request fields that can carry a schema with extensions, or their source.
+_FIELDS = ("response_format", "structured_outputs", "span_source")
+
+
 def apply(kind: str, params: dict[str, Any]) -> Applied:
     """Rewrite ``params`` when its schema uses ``x-span`` or ``x-key-prompt``.
 
@@ -365,6 +369,8 @@ def apply(kind: str, params: dict[str, Any]) -> Applied:
     """
     import time
 
+    if not any(field in params for field in _FIELDS):
+        return Applied(params)  # most requests: nothing to look at, nothing copied
     params = dict(params)
     has_source = "span_source" in params
     source = span_source(kind, params)

@@ -52,6 +52,8 @@ RETRY_PAUSES = (1.0, 2.0, 5.0, 10.0, 30.0)
 RETRIED_STATUSES = frozenset({429, 503})
 # Interactive traffic counts as gone after this long without any.
 QUIET_SECONDS = 5.0
+# While interactive requests come in, batch lines may hold 1/INTERACTIVE_SHARE of the slots.
+INTERACTIVE_SHARE = 128
 # Precompute: a job created with this metadata fills the response cache.
 CACHE_METADATA_KEY = "llmgate_cache"
 
@@ -109,21 +111,22 @@ class Runner:
         self._wake.set()
 
     def cap(self) -> int:
-        """Lines in flight at once: ``--batch-max-inflight`` if set; else a 32nd
-        of the slots while interactive requests are about, half of them once
-        there have been none for ``QUIET_SECONDS``.
+        """Lines in flight at once: ``--batch-max-inflight`` if set; else a
+        128th of the slots while interactive requests are about, half of them
+        once there have been none for ``QUIET_SECONDS``.
 
         A running batch line shares every engine step with the interactive
-        requests: on the 2-core CPU worker, a chat request took 1.2x as long
-        with 8 lines in flight, 2.6x with 32 and 5x with 128 (README, Batch
-        jobs). Alone, a batch may use more, but never every slot: an
-        interactive request arriving then still finds one free.
+        requests: on the 2-core CPU worker, 4 users' chat requests took 1.56x
+        as long (median) with a 32nd of the slots (8 lines) in flight
+        (``make loadtest ARGS="--scenario batch"``, docs/benchmarks.md). Alone,
+        a batch may use more, but never every slot: an interactive request
+        arriving then still finds one free.
         """
         if self.max_inflight:
             return self.max_inflight
         slots = self.capacity()
         if self.interactive_since() < QUIET_SECONDS:
-            return max(1, slots // 32)
+            return max(1, slots // INTERACTIVE_SHARE)
         return max(1, slots // 2)
 
     async def _run(self) -> None:

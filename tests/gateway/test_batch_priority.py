@@ -138,7 +138,7 @@ async def test_the_pool_knows_when_interactive_requests_were_last_about() -> Non
 
 
 @pytest.mark.parametrize(
-    ("max_inflight", "since", "cap"), [(0, 0.0, 8), (0, 60.0, 128), (3, 0.0, 3), (3, 60.0, 3)]
+    ("max_inflight", "since", "cap"), [(0, 0.0, 2), (0, 60.0, 128), (3, 0.0, 3), (3, 60.0, 3)]
 )
 def test_the_runner_takes_few_slots_while_interactive_requests_come_in(
     max_inflight: int, since: float, cap: int
