@@ -88,9 +88,12 @@ class RequestHandle:
         deadline: float,
         release: Callable[[RequestHandle], None],
         tier: Tier,
+        low_priority: bool = False,
     ) -> None:
         self.request_id = request_id
         self.worker = worker
+        # A batch line's (admitted behind interactive requests).
+        self.low_priority = low_priority
         # The pool it runs in, and since when (for the pool's mean request time).
         self.tier = tier
         self.started = time.monotonic()

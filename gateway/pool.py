@@ -67,12 +67,11 @@ class Pool:
         # gets a suffixed id, so no late delta for the old one reaches it.
         self._released: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._suffixes = itertools.count(1)
-        # Interactive (not batch) requests on workers, the ids of the batch
-        # ones, and when an interactive one last started or ended: the batch
-        # runner takes fewer slots while interactive traffic is about.
+        # Interactive (not batch) requests on workers, and when one last
+        # started or ended: the batch runner takes fewer slots while
+        # interactive traffic is about.
         self.interactive_in_flight = 0
         self.last_interactive = 0.0
-        self._low_priority_ids: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle ---------------------------------------------------------
@@ -159,11 +158,9 @@ class Pool:
             raise errors.BadRequest(
                 "The request holds an integer too large to handle (64 bits at most)."
             ) from None
-        handle = RequestHandle(request_id, worker, deadline, self._release, tier)
+        handle = RequestHandle(request_id, worker, deadline, self._release, tier, low_priority)
         self.pending[request_id] = handle
-        if low_priority:
-            self._low_priority_ids.add(request_id)
-        else:
+        if not low_priority:
             self.interactive_in_flight += 1
             self.last_interactive = time.monotonic()
         worker.requests.add(request_id)
@@ -178,9 +175,7 @@ class Pool:
         if self.pending.get(handle.request_id) is not handle:
             return  # closed before
         del self.pending[handle.request_id]
-        if handle.request_id in self._low_priority_ids:
-            self._low_priority_ids.discard(handle.request_id)
-        else:
+        if not handle.low_priority:
             self.interactive_in_flight -= 1
             self.last_interactive = time.monotonic()
         self._released[handle.request_id] = None
