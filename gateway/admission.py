@@ -214,13 +214,7 @@ class Admission:
             home_queue.queued -= 1
             metrics.QUEUE_DEPTH.dec()
             home_queue.depth_gauge.dec()
-            if waiter.done():
-                if chosen is None:
-                    # Woken, but leaving without the slot (refused, cancelled,
-                    # its client gone): the wake-up goes to the next in line.
-                    self.wake_pools(tiers)
-            else:
-                waiter.cancel()  # skipped where it is still queued
+            self._leave(waiter, chosen is not None, tiers)
 
     async def _wait_low(
         self, home: Tier, key: str | None, deadline: float, exclude: Collection[WorkerState]
@@ -252,11 +246,16 @@ class Admission:
                 except TimeoutError:
                     continue
         finally:
-            if waiter.done():
-                if chosen is None:
-                    self.wake_pools([home])
-            else:
-                waiter.cancel()
+            self._leave(waiter, chosen is not None, [home])
+
+    def _leave(self, waiter: asyncio.Future[None], took_slot: bool, tiers: list[Tier]) -> None:
+        """A queued request leaves its queue, with a slot or without."""
+        if not waiter.done():
+            waiter.cancel()  # skipped where it is still queued
+        elif not took_slot:
+            # Woken, but leaving without the slot (refused, cancelled, its
+            # client gone): the wake-up goes to the next in line.
+            self.wake_pools(tiers)
 
     def _take_spare(
         self, tier: Tier, key: str | None, exclude: Collection[WorkerState]
