@@ -180,6 +180,10 @@ class WorkerServer:
             return
         task = asyncio.create_task(self._run(identity, message), name=message.request_id)
         self.requests[key] = task
+        # Not a `finally` in _run: a task cancelled before its first step (an
+        # Abort read in the same turn as its Generate) never runs its body,
+        # and its entry would stay until the gateway went silent.
+        task.add_done_callback(lambda _: self._forget(key, task))
 
     def _cancel(self, identity: Identity, request_id: str, why: str) -> None:
         task = self.requests.get((identity, request_id))
@@ -224,8 +228,11 @@ class WorkerServer:
             if status >= 500:
                 log.exception("request %s failed", request_id)
             self._fail(identity, request_id, status, text, param)
-        finally:
-            self.requests.pop((identity, request_id), None)
+
+    def _forget(self, key: tuple[Identity, str], task: asyncio.Task[None]) -> None:
+        # Only this task's entry: a new request may reuse the id once it ended.
+        if self.requests.get(key) is task:
+            del self.requests[key]
 
     # -- sending -----------------------------------------------------------
 

@@ -323,9 +323,23 @@ def test_worker_aborts_the_requests_of_a_vanished_gateway(served: Served, tmp_pa
     # Start from an idle worker, so the running count below is this request's.
     wait_for(lambda: worker_running(served) == 0, timeout=30, show=served.log_tail)
     lone = start_gateway(tmp_path / "gateway.log", served.worker_addresses(1))
+    rid = f"orphan-{time.time_ns()}"
+    # No max_tokens on a chat request: it runs until the context is full (over
+    # 8,000 tokens), far longer than the worker takes to notice the silence on
+    # any CPU. (2,000 tokens were once done within those seconds.)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me a very long story."}],
+        "ignore_eos": True,
+        "stream": True,
+    }
     try:
         with httpx.stream(
-            "POST", f"{lone.base_url}/v1/completions", json={**LONG, "stream": True}, timeout=60
+            "POST",
+            f"{lone.base_url}/v1/chat/completions",
+            json=body,
+            headers={"x-request-id": rid},
+            timeout=60,
         ) as response:
             # Keep the iterator: dropping it would close the stream (a disconnect).
             lines = response.iter_lines()
@@ -340,9 +354,9 @@ def test_worker_aborts_the_requests_of_a_vanished_gateway(served: Served, tmp_pa
     gateway_id = re.search(r"gateway id (gw-\w+)", lone.log_path.read_text()).group(1)  # type: ignore[union-attr]
     # The worker stops hearing its pings (10 s timeout, looked at every second)
     # and drops the request it was still running for it: not a disconnect or
-    # an abort, and not the request ending on its own (2,000 tokens here take
-    # minutes).
+    # an abort, and not the request ending on its own.
     served.wait_for_log(f"gateway b'{gateway_id}' silent for 10s: aborting 1 requests", timeout=20)
+    served.wait_for_log(f"its gateway went silent [request_id={rid}]", timeout=5)
     # Its engine stops running it.
     wait_for(lambda: worker_running(served) == 0, timeout=5, show=served.log_tail)
 
