@@ -292,17 +292,23 @@ def test_bad_request_timeout_header_is_400(served: Served) -> None:
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0(gateway: Served) -> None:
+    TOKENS = 160
+
     async def load() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=gateway.base_url, timeout=120) as client:
             requests = [
                 asyncio.ensure_future(
                     client.post(
-                        "/v1/completions", json={**LONG, "max_tokens": 32, "stream": i % 2 == 0}
+                        "/v1/completions",
+                        json={**LONG, "max_tokens": TOKENS, "stream": i % 2 == 0},
                     )
                 )
                 for i in range(6)
             ]
-            await asyncio.sleep(1.0)  # all six are in flight
+            # All six in flight (enough tokens that none ends before the last arrives).
+            await asyncio.to_thread(
+                wait_for, lambda: in_flight(gateway) >= 6, timeout=60, show=gateway.log_tail
+            )
             gateway.proc.send_signal(signal.SIGTERM)
             return await asyncio.gather(*requests)
 
@@ -313,7 +319,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(gateway: Served) -> None
             assert response.text.rstrip().endswith("data: [DONE]")
             assert '"finish_reason":"length"' in response.text
         else:
-            assert response.json()["usage"]["completion_tokens"] == 32
+            assert response.json()["usage"]["completion_tokens"] == TOKENS
     assert gateway.proc.wait(timeout=30) == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{gateway.base_url}/health")
