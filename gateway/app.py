@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp
 
 from gateway import batch, errors, metrics, openapi, routes, tracing
-from gateway.api import auth, direct, health, openai, request_ids
+from gateway.api import auth, direct, health, openai, request_ids, vllm_routes
 from gateway.api import tgi as _tgi_endpoints  # noqa: F401  (attach themselves to routes)
 from gateway.api.request_ids import request_id_of
 from gateway.batch import api as batch_api
@@ -94,6 +94,7 @@ def create_api(settings: GatewaySettings) -> FastAPI:
         app.add_api_route(route.path, route.endpoint, methods=["POST"], tags=[route.tag])
     app.include_router(openai.router)  # GET /v1/models
     app.include_router(batch_api.router)  # /v1/files, /v1/batches
+    app.include_router(vllm_routes.router)  # /tokenize, /v1/responses, ...
     openapi.install(app)
     app.include_router(health.router)
     app.add_exception_handler(errors.GatewayError, _gateway_error)

@@ -179,3 +179,42 @@ def validate(raw: dict[str, Any], schema: type[T]) -> T:
             param = path.rstrip("`")
             message = f"Invalid value for '{param}': {message}"
         raise BadRequest(message, param) from exc
+
+
+class VllmRequest(msgspec.Struct, kw_only=True):
+    """A body for a route of vLLM's own server (``gateway.api.vllm_routes``):
+    the gateway reads only what routing needs; the worker's vLLM checks the rest."""
+
+    model: str = ""
+    stream: bool = False
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return False  # vLLM's stream carries its own usage chunk, when asked
+
+
+# Fields the gateway's own response builders answer (``sse``), per route:
+# every other field, vLLM's server answers in the worker (tools, prompt
+# logprobs, beam search, ...), so it means what it means under `vllm serve`.
+_NATIVE_COMMON = frozenset(_Sampling.__struct_fields__) | {
+    "response_format",
+    "structured_outputs",
+    "span_source",  # worker.spans
+}
+NATIVE_FIELDS = {
+    "completion": _NATIVE_COMMON | set(CompletionRequest.__struct_fields__) - {"best_of", "suffix"},
+    "chat": _NATIVE_COMMON | set(ChatCompletionRequest.__struct_fields__),
+}
+
+
+def vllm_field(kind: Literal["completion", "chat"], raw: dict[str, Any]) -> str | None:
+    """The first field of ``raw`` that only vLLM's own server answers, if any."""
+    native = NATIVE_FIELDS[kind]
+    for name, value in raw.items():
+        if value is not None and name not in native:
+            return name
+    options = raw.get("stream_options")
+    if isinstance(options, dict) and options.get("continuous_usage_stats"):
+        return "stream_options.continuous_usage_stats"
+    return None

@@ -333,3 +333,34 @@ class Chat(ResponseBuilder):
             choice["stop_reason"] = delta.stop_reason
         choice["token_ids"] = None
         return roles + self._chunk(choice, finished)
+
+
+class Passthrough(ResponseBuilder):
+    """The body vLLM's own server answered (``worker.vllm_app``), forwarded as is.
+
+    Its JSON, or its SSE events with their ``[DONE]`` or Responses API event
+    names, is ``vllm serve``'s byte for byte: nothing is added but the error
+    event of a stream the gateway had to cut.
+    """
+
+    done = b""
+
+    def __init__(self, model: str) -> None:
+        super().__init__("", model, 0)
+        self.parts: list[bytes] = []
+
+    def reset(self) -> None:
+        self.parts = []
+
+    def add(self, delta: protocol.Delta) -> None:
+        if delta.raw:
+            self.parts.append(delta.raw)
+
+    def chunk(self, delta: protocol.Delta) -> bytes:
+        return delta.raw or b""
+
+    def usage_chunk(self, usage: protocol.Usage) -> bytes:
+        return b""  # vLLM's stream carries its own, when asked
+
+    def body(self, usage: protocol.Usage) -> bytes:
+        return b"".join(self.parts)

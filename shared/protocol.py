@@ -17,7 +17,8 @@ bumps ``PROTOCOL_VERSION``, which workers report in every ``Heartbeat`` and
 gateways check before sending them work.
 
 gateway -> worker
-    Generate   one OpenAI request (completion or chat) to run.
+    Generate   one OpenAI request (completion or chat) to run, or one
+               request to a route of vLLM's own server (kind "vllm").
     Abort      stop these requests (client gone, deadline passed).
     Ping       the gateway is alive; a worker aborts the requests of a
                gateway it has not heard from within its timeout.
@@ -38,13 +39,16 @@ from typing import Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # Generous for long prompts and big batches of deltas, small enough that a
 # bad peer cannot make us allocate without bound (ZMQ_MAXMSGSIZE).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
-RequestKind = Literal["completion", "chat"]
+# "vllm": a route of vLLM's own server, answered by it in the worker
+# (``worker.vllm_app``): params are {"method", "path", "body"}, the answer
+# comes back as ``Delta.raw`` bytes.
+RequestKind = Literal["completion", "chat", "vllm"]
 
 
 class _Message(msgspec.Struct, array_like=True, gc=False, tag_field="k"):
@@ -140,6 +144,8 @@ class Delta(msgspec.Struct, array_like=True, gc=False):
     echo_logprobs: list[TokenLogprob] | None = None
     # Completions with ``echo``: the prompt's token ids, same delta.
     prompt_token_ids: list[int] | None = None
+    # A "vllm" request: the next bytes of the body vLLM's server answered.
+    raw: bytes | None = None
 
 
 class Deltas(_Message, tag="deltas"):

@@ -6,7 +6,9 @@ same here as under ``vllm serve``:
 * ``AsyncEngineArgs`` parses every vLLM flag;
 * vLLM's pydantic ``CompletionRequest`` / ``ChatCompletionRequest`` validate
   the body and map it onto ``SamplingParams`` (``worker.sampling``);
-* ``OnlineRenderer`` applies the chat template and tokenizes.
+* the ``OnlineRenderer`` of vLLM's own app applies the chat template and
+  tokenizes (``worker.vllm_app``, which also answers what text deltas cannot
+  carry: tool calls, the Responses API, ``/tokenize``, ...).
 
 What this module adds is the shape the wire needs: a request's outputs become
 :class:`shared.protocol.Delta` items, one per choice per engine step.
@@ -15,6 +17,7 @@ What this module adds is the shape the wire needs: a request's outputs become
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
@@ -24,26 +27,21 @@ from shared import protocol
 from worker import sampling, spans
 from worker.key_prompts import KeyRewriter
 from worker.sampling import RequestError
+from worker.vllm_app import VllmApp
 
 log = logging.getLogger(__name__)
 
 
 def add_engine_args(parser: Any) -> None:
     """Every vLLM engine flag (``--model``, ``--dtype``, ``--max-model-len``, ...),
-    and ``vllm serve``'s ``--lora-modules``."""
+    and ``vllm serve``'s request-handling flags (``--lora-modules``,
+    ``--tool-call-parser``, ``--chat-template``, ...; ``worker.vllm_app``)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.launchers.cli_args import LoRAParserAction
+
+    from worker.vllm_app import add_frontend_args
 
     AsyncEngineArgs.add_cli_args(parser)
-    parser.add_argument(
-        "--lora-modules",
-        type=str,
-        default=None,
-        nargs="+",
-        action=LoRAParserAction,
-        help="LoRA adapters to serve as models of their own, as `vllm serve`: "
-        'name=path, or JSON {"name": ..., "path": ...}; turns on --enable-lora',
-    )
+    add_frontend_args(parser)
 
 
 class LoadTracker:
@@ -110,7 +108,6 @@ class Engine:
 
     def __init__(self, namespace: argparse.Namespace, limits: Limits | None = None) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.renderers.online_renderer import OnlineRenderer
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -151,13 +148,16 @@ class Engine:
         self.default_sampling_params: dict[str, Any] = self.model_config.get_diff_sampling_param()
         self.special_ids = frozenset(self.llm.renderer.get_tokenizer().all_special_ids)
         self.system_fingerprint = _system_fingerprint(self.llm.vllm_config)
-        self.renderer = OnlineRenderer(
-            self.model_config,
-            self.llm.renderer,
-            request_logger=None,
-            chat_template=None,
-            chat_template_content_format="auto",
-        )
+        self.namespace = namespace
+        # Set by start(): vLLM's app and its renderer, which both paths use,
+        # so a chat renders alike (--chat-template, its content format, ...).
+        self.vllm_app: VllmApp | None = None
+        self.renderer: Any = None
+
+    async def start(self) -> None:
+        """Build vLLM's own server app over this engine (``worker.vllm_app``)."""
+        self.vllm_app = await VllmApp.create(self.llm, self.namespace)
+        self.renderer = self.vllm_app.app.state.online_renderer
 
     @property
     def priority_scheduling(self) -> bool:
@@ -322,6 +322,50 @@ class Engine:
         )
         yield [protocol.Delta(request_id=request_id, index=0, usage=usage)]
 
+    async def passthrough(
+        self, request_id: str, params: dict[str, Any], model: str = "", priority: int = 0
+    ) -> AsyncIterator[list[protocol.Delta]]:
+        """A request to a route of vLLM's own server (``worker.vllm_app``): its
+        body's bytes as ``raw`` deltas, then the usage it reported (zero when
+        a stream did not ask for it). ``model`` is the served model the
+        gateway chose (an alias or a spill-over tier names another)."""
+        if self.vllm_app is None:
+            raise RequestError(503, "this worker has not started vLLM's server yet")
+        params = self._with_spans(params)
+        body = params.get("body")
+        if isinstance(body, dict) and body.get("model") and model:
+            body = {**body, "model": model}
+            params = {**params, "body": body}
+        streamed = isinstance(body, dict) and bool(body.get("stream"))
+        usage = protocol.Usage(0, 0)
+        whole: list[bytes] = []
+        async for chunk in self.vllm_app.run(request_id, params, self.engine_priority(priority)):
+            if streamed:
+                usage = _stream_usage(chunk) or usage
+            else:
+                whole.append(chunk)
+            yield [protocol.Delta(request_id=request_id, index=0, raw=chunk)]
+        if whole:
+            usage = _body_usage(b"".join(whole)) or usage
+        yield [protocol.Delta(request_id=request_id, index=0, usage=usage)]
+
+    def _with_spans(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Span extraction (``worker.spans``) applies on vLLM's path too; prompting
+        inside keys needs our output path, so it is refused there."""
+        kind = SPAN_KINDS.get(str(params.get("path")))
+        body = params.get("body")
+        if kind is None or not isinstance(body, dict):
+            return params
+        applied = spans.apply(kind, body)
+        if applied.key_prompts:
+            raise RequestError(
+                400,
+                "x-key-prompt cannot be combined with fields answered by vLLM's own "
+                "server (tools, prompt_logprobs, ...).",
+                "response_format",
+            )
+        return {**params, "body": applied.params}
+
     def _prompt_logprobs(
         self, token_ids: Sequence[int], logprobs: Sequence[Any]
     ) -> list[protocol.TokenLogprob]:
@@ -439,3 +483,42 @@ def _lora_requests(modules: list[Any] | None) -> dict[str, Any]:
         module.name: LoRARequest(lora_name=module.name, lora_int_id=i, lora_path=module.path)
         for i, module in enumerate(modules, start=1)
     }
+
+
+# The routes of vLLM's server whose bodies span extraction reads.
+SPAN_KINDS: dict[str, protocol.RequestKind] = {
+    "/v1/completions": "completion",
+    "/v1/chat/completions": "chat",
+}
+
+
+def _usage_of(value: Any) -> protocol.Usage | None:
+    """A response's ``usage`` (chat/completions' names or the Responses API's)."""
+    usage = value.get("usage") if isinstance(value, dict) else None
+    if not isinstance(usage, dict):
+        if isinstance(value, dict) and isinstance(value.get("response"), dict):
+            return _usage_of(value["response"])  # a Responses API event
+        return None
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    completion = usage.get("completion_tokens", usage.get("output_tokens"))
+    if isinstance(prompt, int) and isinstance(completion, int):
+        return protocol.Usage(prompt, completion)
+    return None
+
+
+def _body_usage(content: bytes) -> protocol.Usage | None:
+    try:
+        return _usage_of(json.loads(content))
+    except ValueError:
+        return None
+
+
+def _stream_usage(chunk: bytes) -> protocol.Usage | None:
+    """The usage in an SSE chunk's events, if one carries it (the last wins)."""
+    if b'"usage"' not in chunk:
+        return None
+    found = None
+    for line in chunk.split(b"\n"):
+        if line.startswith(b"data: {"):
+            found = _body_usage(line[6:]) or found
+    return found

@@ -65,6 +65,7 @@ class FakeEngine(Engine):
         self.max_model_len = max_model_len
         self.scheduling_policy = "fcfs"
         self.running = 0
+        self.vllm_app = None
 
     async def prepare(
         self, kind: protocol.RequestKind, params: dict[str, Any]

@@ -38,7 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     # None means "the embedded model": vLLM's own default would download one.
     # The priority policy (vLLM's default is fcfs): the engine runs interactive
     # requests before a batch job's lines (protocol.Generate.priority).
-    parser.set_defaults(model=None, scheduling_policy="priority")
+    # Tool-call arguments held to the function's schema (vLLM's `parameter`
+    # level) for every tool, not only those marked `strict`: under vLLM's
+    # default (`auto`) a required or named call's arguments may be any JSON
+    # (the embedded model answers the string "Paris" for {"city": ...}).
+    parser.set_defaults(model=None, scheduling_policy="priority", tool_strict_level="parameter")
     return parser
 
 
@@ -70,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     apply_embedded_model_defaults(namespace)
     if namespace.lora_modules:
         namespace.enable_lora = True  # as `vllm serve` needs it for --lora-modules
+    _check_serve_args(namespace)
 
     from worker.engine import Engine, Limits
     from worker.server import WorkerServer
@@ -79,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     async def run() -> None:
         engine = Engine(namespace, limits)
         try:
+            await engine.start()
             await WorkerServer(worker_settings, engine).serve()
         finally:
             engine.shutdown()
@@ -89,6 +95,19 @@ def main(argv: list[str] | None = None) -> None:
         pass
     log.info("worker stopped")
     sys.exit(0)
+
+
+def _check_serve_args(namespace: argparse.Namespace) -> None:
+    """``vllm serve``'s own checks of its flags (a tool parser for auto tool
+    choice, a valid chat template, ...), now rather than after the engine's start."""
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+
+    from worker.vllm_app import serve_namespace
+
+    try:
+        validate_parsed_serve_args(serve_namespace(namespace))
+    except (TypeError, ValueError) as exc:
+        sys.exit(f"llmgate worker: {exc}")
 
 
 def _check_keys(worker_settings: settings.WorkerSettings) -> None:

@@ -206,14 +206,20 @@ class WorkerServer:
             self.engine.engine_priority(message.priority),
         )
         try:
-            prompts = await self.engine.prepare(message.kind, message.params)
+            if message.kind == "vllm":
+                outputs = self.engine.passthrough(
+                    request_id, message.params, message.model, message.priority
+                )
+            else:
+                prompts = await self.engine.prepare(message.kind, message.params)
+                outputs = self.engine.run(
+                    request_id, prompts, message.trace, message.model, message.priority
+                )
             timeout = message.deadline - time.time() if message.deadline else None
             if timeout is not None and timeout <= 0:
                 raise RequestError(504, "request deadline passed before it started")
             async with asyncio.timeout(timeout):
-                async for deltas in self.engine.run(
-                    request_id, prompts, message.trace, message.model, message.priority
-                ):
+                async for deltas in outputs:
                     self._queue(identity, deltas)
         except RequestError as exc:
             self._fail(identity, request_id, exc.status, exc.message, exc.param)

@@ -69,10 +69,15 @@ class Call:
     kind: protocol.RequestKind
     route: str
     raw: dict[str, Any]
-    body: schemas._Sampling
+    body: schemas._Sampling | schemas.VllmRequest
     builder: sse.ResponseBuilder
+    # What the worker gets, when not ``raw``: a "vllm" request's method, path
+    # and body (``gateway.api.vllm_routes``).
+    wire: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.wire is None:
+            self.wire = self.raw
         self.pool = pool_of(self.request)
         self.request_id = request_id_of(self.request.scope)
         # Log lines about this request name it (shared.logs).
@@ -91,9 +96,9 @@ class Call:
         # The response cache's part (gateway.api.cached), and the worker's
         # output as it came while the answer may be stored.
         cache = self.request.app.state.cache
-        self.cached = (
-            CacheStep(cache) if cache is not None and self.route in CACHED_ROUTES else None
-        )
+        # vLLM's own answers ("vllm") are not: the cache stores our deltas.
+        cacheable = self.route in CACHED_ROUTES and self.kind != "vllm"
+        self.cached = CacheStep(cache) if cache is not None and cacheable else None
         self.recorded: list[protocol.Delta] | None = None
         self.span = tracing.request_span(
             self.request.scope["headers"],
@@ -189,9 +194,12 @@ class Call:
     # -- non-streaming -------------------------------------------------------
 
     async def _complete(self, key: str | None) -> Response:
-        if self.target is not None and self.target.escalate_to is not None:
-            return await self._cascade(key, self.target.escalate_to)
-        handle, usage = await self._attempts(key, self.raw)
+        target = self.target
+        # The cascade judges our own builder's logprobs: not vLLM's answers.
+        if target is not None and target.escalate_to is not None and self.kind != "vllm":
+            return await self._cascade(key, target.escalate_to)
+        assert self.wire is not None
+        handle, usage = await self._attempts(key, self.wire)
         return await self._respond(handle, usage)
 
     async def _attempts(
@@ -267,8 +275,9 @@ class Call:
     # -- streaming -----------------------------------------------------------
 
     async def _start_stream(self, key: str | None) -> Response:
+        assert self.wire is not None
         while True:
-            handle = await self._submit(key, self.raw)
+            handle = await self._submit(key, self.wire)
             first: protocol.Delta | protocol.Failed | WorkerLost | None = None
             try:
                 first = await handle.next()

@@ -13,7 +13,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from gateway import errors, routes, schemas, sse
+from gateway import routes, schemas, sse
+from gateway.api import vllm_routes
 from gateway.api.call import JSON, Call, pool_of
 from gateway.api.http import read_body
 
@@ -42,8 +43,8 @@ async def create_completion(request: Request) -> Response:
     raw = schemas.decode_body(await read_body(request, pool.settings.max_body_bytes))
     body = schemas.validate(raw, schemas.CompletionRequest)
     schemas.check_limits(body, pool.settings)
-    if body.suffix is not None:
-        raise errors.BadRequest("suffix is not supported by this model.", "suffix")
+    if schemas.vllm_field("completion", raw) is not None:
+        return await vllm_routes.forward(request, routes.COMPLETIONS.path, raw, body=body)
     builder = sse.Completion("", body.model, body.n * _num_prompts(body.prompt), body.logprobs)
     call = Call(request, "completion", routes.COMPLETIONS.path, raw, body, builder)
     return await call.serve(lambda limit: _prompt_key(body.prompt, limit))
@@ -55,6 +56,8 @@ async def create_chat_completion(request: Request) -> Response:
     raw = schemas.decode_body(await read_body(request, pool.settings.max_body_bytes))
     body = schemas.validate(raw, schemas.ChatCompletionRequest)
     schemas.check_limits(body, pool.settings)
+    if schemas.vllm_field("chat", raw) is not None:
+        return await vllm_routes.forward(request, routes.CHAT.path, raw, body=body)
     builder = sse.Chat("", body.model, body.n, body.logprobs, body.top_logprobs or 0)
     call = Call(request, "chat", routes.CHAT.path, raw, body, builder)
     return await call.serve(lambda limit: _messages_key(body.messages, limit))
