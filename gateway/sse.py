@@ -87,6 +87,8 @@ class ResponseBuilder:
         # The serving worker's (set per attempt) and whether usage ends the stream.
         self.system_fingerprint: str | None = None
         self.include_usage = False
+        # The worker runs vLLM with a tool or reasoning parser (Chat.chunk).
+        self.chat_parser = False
 
     def reset(self) -> None:
         """Forget all output (the request is being retried from scratch)."""
@@ -322,13 +324,20 @@ class Chat(ResponseBuilder):
         if not self.roles_sent:
             self.roles_sent = True
             roles = self._role_chunks()
+        finished = delta.finish_reason is not None
+        content: dict[str, Any] = {"content": delta.text}
+        if self.chat_parser and not delta.text:
+            # Under a parser, vLLM sends no chunk for empty text (unless it
+            # carries logprobs or ends the choice), and an empty delta then.
+            if not finished and not self.want_logprobs:
+                return roles
+            content = {}
         choice: dict[str, Any] = {
             "index": delta.index,
-            "delta": {"content": delta.text},
+            "delta": content,
             "logprobs": self._logprobs(delta.logprobs or []),
             "finish_reason": delta.finish_reason,
         }
-        finished = delta.finish_reason is not None
         if finished:
             choice["stop_reason"] = delta.stop_reason
         choice["token_ids"] = None

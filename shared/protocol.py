@@ -179,6 +179,9 @@ class Heartbeat(_Message, tag="hb"):
     system_fingerprint: str = ""
     # The pool of the config file this worker belongs to ("": none).
     pool: str = ""
+    # vLLM's chat streams take another shape under a tool or reasoning parser
+    # (``--tool-call-parser``/``--reasoning-parser``): the gateway builds them so.
+    chat_parser: bool = False
 
 
 ToWorker = Generate | Abort | Ping

@@ -66,6 +66,12 @@ class Served:
             time.sleep(0.2)
 
 
+# The session worker parses tool calls in the Hermes format (<tool_call>{...}
+# </tool_call>), which the embedded model writes when shown it
+# (tests/integration/test_tools.py); vLLM's server in the parity test has them too.
+TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+
+
 def start_serve(
     log_path: Path, *extra: str, env: dict[str, str] | None = None, num_workers: int = 1
 ) -> Served:
@@ -136,7 +142,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     metrics_port = free_port()
     # TGI-style limits on the session's worker (tests/integration/test_api_surface.py).
     limits = {"LLMGATE_MAX_INPUT_TOKENS": "4000", "LLMGATE_MAX_TOTAL_TOKENS": "6000"}
-    running = start_serve(log_path, "--worker-metrics-port", str(metrics_port), env=limits)
+    running = start_serve(
+        log_path, "--worker-metrics-port", str(metrics_port), *TOOL_FLAGS, env=limits
+    )
     running.worker_metrics_port = metrics_port
     try:
         yield running

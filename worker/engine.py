@@ -153,6 +153,11 @@ class Engine:
         # so a chat renders alike (--chat-template, its content format, ...).
         self.vllm_app: VllmApp | None = None
         self.renderer: Any = None
+        # vLLM streams chats in another shape under a tool or reasoning parser.
+        self.chat_parser = bool(
+            getattr(namespace, "tool_call_parser", None)
+            or getattr(namespace, "reasoning_parser", None)
+        )
 
     async def start(self) -> None:
         """Build vLLM's own server app over this engine (``worker.vllm_app``)."""
@@ -171,8 +176,6 @@ class Engine:
         self, kind: protocol.RequestKind, params: dict[str, Any]
     ) -> list[PreparedPrompt]:
         """Validate, render and tokenize one request: one entry per prompt."""
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-
         applied = spans.apply(kind, params)
         if applied.grammar_rules:
             log.info(
@@ -181,16 +184,7 @@ class Engine:
                 applied.build_seconds * 1000,
             )
         request = sampling.parse_request(kind, applied.params)
-        if kind == "chat":
-            rendered = await self.renderer.render_chat(request)
-            if isinstance(rendered, ErrorResponse):
-                raise _error_from_response(rendered)
-            _conversation, engine_inputs = rendered
-        else:
-            rendered_cmpl = await self.renderer.render_completion(request)
-            if isinstance(rendered_cmpl, ErrorResponse):
-                raise _error_from_response(rendered_cmpl)
-            engine_inputs = rendered_cmpl
+        engine_inputs = await self._render(kind, request)
         prepared = []
         for engine_input in engine_inputs:
             prompt_tokens = sampling.prompt_length(self.model_config, engine_input)
@@ -211,6 +205,21 @@ class Engine:
                 )
             )
         return prepared
+
+    async def _render(self, kind: protocol.RequestKind, request: Any) -> list[Any]:
+        """The engine inputs of a parsed request: the chat template applied, tokenized."""
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        if kind == "chat":
+            rendered = await self.renderer.render_chat(request)
+            if isinstance(rendered, ErrorResponse):
+                raise _error_from_response(rendered)
+            _conversation, engine_inputs = rendered
+            return list(engine_inputs)
+        rendered_cmpl = await self.renderer.render_completion(request)
+        if isinstance(rendered_cmpl, ErrorResponse):
+            raise _error_from_response(rendered_cmpl)
+        return list(rendered_cmpl)
 
     def _check_limits(self, kind: protocol.RequestKind, request: Any, prompt_tokens: int) -> int:
         """Refuse a prompt over the limits (400 naming the limit); the context left to use."""
@@ -331,7 +340,7 @@ class Engine:
         gateway chose (an alias or a spill-over tier names another)."""
         if self.vllm_app is None:
             raise RequestError(503, "this worker has not started vLLM's server yet")
-        params = self._with_spans(params)
+        params = await self._within_limits(self._with_spans(params))
         body = params.get("body")
         if isinstance(body, dict) and body.get("model") and model:
             body = {**body, "model": model}
@@ -365,6 +374,36 @@ class Engine:
                 "response_format",
             )
         return {**params, "body": applied.params}
+
+    async def _within_limits(self, params: dict[str, Any]) -> dict[str, Any]:
+        """This worker's --max-input-tokens / --max-total-tokens hold on vLLM's
+        path too: the prompt is measured as on ours (400 over a limit), and an
+        unset max_tokens becomes what the total limit leaves, as on ours."""
+        kind = SPAN_KINDS.get(str(params.get("path")))
+        body = params.get("body")
+        limits = self.limits
+        if kind is None or not isinstance(body, dict):
+            return params
+        if not (limits.max_input_tokens or limits.max_total_tokens):
+            return params
+        # Measured only: vLLM's server parses and checks the rest, and
+        # refuses a body it cannot parse in its own words.
+        try:
+            request = sampling.parse_request(kind, body)
+        except RequestError:
+            return params
+        lengths = [
+            sampling.prompt_length(self.model_config, engine_input)
+            for engine_input in await self._render(kind, request)
+        ]
+        for prompt_tokens in lengths:
+            self._check_limits(kind, request, prompt_tokens)
+        if not limits.max_total_tokens:
+            return params
+        if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+            left = limits.max_total_tokens - max(lengths)
+            body = {**body, "max_tokens": max(left, 1)}
+        return {**params, "body": body}
 
     def _prompt_logprobs(
         self, token_ids: Sequence[int], logprobs: Sequence[Any]

@@ -66,6 +66,7 @@ class FakeEngine(Engine):
         self.scheduling_policy = "fcfs"
         self.running = 0
         self.vllm_app = None
+        self.chat_parser = False
 
     async def prepare(
         self, kind: protocol.RequestKind, params: dict[str, Any]

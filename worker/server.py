@@ -297,6 +297,7 @@ class WorkerServer:
             draining=self.draining,
             system_fingerprint=self.engine.system_fingerprint,
             pool=self.settings.pool,
+            chat_parser=self.engine.chat_parser,
         )
 
     async def _heartbeat_loop(self) -> None:

@@ -166,6 +166,7 @@ class Call:
         if span.on:
             span.event("routed", worker=handle.worker.address)
         self.builder.system_fingerprint = handle.worker.system_fingerprint
+        self.builder.chat_parser = handle.worker.chat_parser
         return handle
 
     def _retry_or_raise(self, handle: RequestHandle, item: WorkerLost | protocol.Failed) -> None:
