@@ -135,8 +135,15 @@ class VllmApp:
 
         args = serve_namespace(namespace)  # checked by worker.main
         supported_tasks = await llm.get_supported_tasks()
-        app = build_app(args, supported_tasks, llm.model_config)
-        await init_app_state(llm, app.state, args, supported_tasks)
+        # Building vLLM's app sets the root logger to ERROR (one of its
+        # middlewares' imports): the worker's own INFO lines would vanish.
+        root = logging.getLogger()
+        level = root.level
+        try:
+            app = build_app(args, supported_tasks, llm.model_config)
+            await init_app_state(llm, app.state, args, supported_tasks)
+        finally:
+            root.setLevel(level)
         return cls(app)
 
     async def run(

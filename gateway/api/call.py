@@ -392,16 +392,21 @@ class Call:
     async def _look_up(self, cached: CacheStep) -> Response | None:
         """The stored answer, replayed; None to compute it (recording it if it may be kept)."""
         assert self.target is not None
+        workers = self.pool.healthy_workers()
         entry = await cached.look_up(
             self.kind,
             self.target.model,
             self.raw,
             header(self.request, b"cache-control"),
-            self.pool.healthy_workers(),
+            workers,
         )
         if entry is None:
             self.recorded = cached.recorded
             return None
+        # Streamed in the shape its model's workers stream it (sse.Chat.chunk).
+        self.builder.chat_parser = any(
+            w.chat_parser for w in workers if entry.served_model in w.models
+        )
         self._finish(200)
         return replay(self.builder, entry, self.body.stream, self.body.include_usage)
 

@@ -14,13 +14,15 @@ search, ... (``schemas.vllm_field``).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 
 from gateway import errors, schemas, sse
-from gateway.api.call import Call, pool_of
+from gateway.api import responses
+from gateway.api.call import JSON, Call, pool_of
 from gateway.api.http import read_body
 
 router = APIRouter(tags=["vLLM"])
@@ -49,20 +51,28 @@ async def forward(
     return await call.serve(lambda limit: "")
 
 
-async def _post(request: Request, path: str) -> Response:
-    pool = pool_of(request)
-    raw = schemas.decode_body(await read_body(request, pool.settings.max_body_bytes))
-    return await forward(request, path, raw)
+def _poster(path: str) -> Callable[[Request], Awaitable[Response]]:
+    """The endpoint that forwards a POST to ``path`` with its JSON body."""
+
+    async def post(request: Request) -> Response:
+        pool = pool_of(request)
+        raw = schemas.decode_body(await read_body(request, pool.settings.max_body_bytes))
+        return await forward(request, path, raw)
+
+    post.__name__ = "post_" + path.strip("/").replace("/", "_")
+    return post
 
 
-@router.post("/tokenize")
-async def tokenize(request: Request) -> Response:
-    return await _post(request, "/tokenize")
-
-
-@router.post("/detokenize")
-async def detokenize(request: Request) -> Response:
-    return await _post(request, "/detokenize")
+# POST routes whose JSON body goes to vLLM's server as it came.
+for _path in (
+    "/tokenize",
+    "/detokenize",
+    "/invocations",
+    "/v1/chat/completions/batch",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+):
+    router.add_api_route(_path, _poster(_path), methods=["POST"])
 
 
 @router.get("/version")
@@ -80,36 +90,47 @@ async def ping_post(request: Request) -> Response:
     return await forward(request, "/ping", None, "POST")
 
 
-@router.post("/invocations")
-async def invocations(request: Request) -> Response:
-    return await _post(request, "/invocations")
-
-
-@router.post("/v1/chat/completions/batch")
-async def chat_batch(request: Request) -> Response:
-    return await _post(request, "/v1/chat/completions/batch")
-
-
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
-    return await _post(request, "/v1/responses")
+    pool = pool_of(request)
+    raw = schemas.decode_body(await read_body(request, pool.settings.max_body_bytes))
+    store = responses.store_of(request)
+    previous_id = raw.get("previous_response_id")
+    previous = None
+    if isinstance(previous_id, str) and previous_id:
+        previous = await responses.load(store, previous_id)
+    if previous is None and not raw.get("store", True):
+        return await forward(request, "/v1/responses", raw)  # nothing to keep or expand
+    recorder = responses.Recorder(store, raw, previous, str(previous_id) if previous else "")
+    wire = responses.continued(raw, previous) if previous is not None else raw
+    keep = raw.get("store", True)
+    response = await forward(request, "/v1/responses", wire)
+    if response.status_code != 200:
+        return response
+    if isinstance(response, StreamingResponse):
+        if keep or previous is not None:
+            response.body_iterator = recorder.stream(response.body_iterator, save=keep)
+        return response
+    content = bytes(response.body)
+    patched = await recorder.whole(content) if keep else recorder.patch(content)
+    return Response(patched, media_type=response.media_type, headers=_headers(response))
 
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(request: Request, response_id: str) -> Response:
+    stored = await responses.load(responses.store_of(request), response_id)
+    if stored is not None:
+        return Response(sse.encode(stored.response), media_type=JSON)
     return await forward(request, f"/v1/responses/{response_id}", None, "GET")
+
+
+def _headers(response: Response) -> dict[str, str]:
+    """A response's own headers (llmgate's), less those a new body changes."""
+    return {
+        k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")
+    }
 
 
 @router.post("/v1/responses/{response_id}/cancel")
 async def cancel_response(request: Request, response_id: str) -> Response:
     return await forward(request, f"/v1/responses/{response_id}/cancel", None, "POST")
-
-
-@router.post("/v1/messages")
-async def messages(request: Request) -> Response:
-    return await _post(request, "/v1/messages")
-
-
-@router.post("/v1/messages/count_tokens")
-async def count_tokens(request: Request) -> Response:
-    return await _post(request, "/v1/messages/count_tokens")

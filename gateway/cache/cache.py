@@ -64,14 +64,7 @@ class ResponseCache:
         self._down_until = 0.0
 
     async def get(self, key: str) -> Entry | None:
-        if self._down():
-            return None
-        try:
-            value = await self.store.get(key)
-        except Exception as exc:  # the backend's errors are many; all mean "not now"
-            self._failed("get", exc)
-            return None
-        self._ok()
+        value = await self.get_bytes(key)
         if value is None:
             return None
         try:
@@ -81,10 +74,26 @@ class ResponseCache:
             return None
 
     async def put(self, key: str, entry: Entry) -> None:
+        await self.put_bytes(key, _encode(entry))
+
+    async def get_bytes(self, key: str) -> bytes | None:
+        """The value under ``key``; None when absent or the backend is failing."""
+        if self._down():
+            return None
+        try:
+            value = await self.store.get(key)
+        except Exception as exc:  # the backend's errors are many; all mean "not now"
+            self._failed("get", exc)
+            return None
+        self._ok()
+        return value
+
+    async def put_bytes(self, key: str, value: bytes) -> None:
+        """Keep ``value`` for the TTL; a failing backend drops it (and is counted)."""
         if self._down():
             return
         try:
-            await self.store.put(key, _encode(entry), self.ttl)
+            await self.store.put(key, value, self.ttl)
         except Exception as exc:
             self._failed("put", exc)
             return

@@ -91,25 +91,6 @@ def test_an_invalid_constraint_is_400_and_the_worker_lives_on(
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
 
 
-def test_tool_choice_auto_without_a_tool_parser_is_a_clear_400(client: openai.OpenAI) -> None:
-    tool = {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    }
-    with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "hi"}],
-            tools=[tool],
-            tool_choice="auto",
-            max_tokens=5,
-        )
-    assert "tool" in info.value.message
-
-
 def test_echo_returns_the_prompt_then_the_completion(client: openai.OpenAI) -> None:
     prompt = "The capital of France is"
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0)

@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from tests.conftest import MODEL, Served, start_gateway, stop_serve
-from tests.integration.redis_server import RedisServer
+from tests.integration.redis_server import RedisServer, gateways_sharing
 
 CACHE = "x-llmgate-cache"
 FRESH = ("id", "created")
@@ -237,16 +237,8 @@ def two_gateways(
 ) -> Iterator[tuple[Served, Served]]:
     """Two gateway processes sharing one Redis, in front of the session's worker."""
     directory = tmp_path_factory.mktemp("redis-gateways")
-    flags = ("--cache", redis_server.url, "--cache-ttl", "600")
-    first = start_gateway(directory / "a.log", served.worker_addresses(1), *flags)
-    try:
-        second = start_gateway(directory / "b.log", served.worker_addresses(1), *flags)
-        try:
-            yield first, second
-        finally:
-            stop_serve(second)
-    finally:
-        stop_serve(first)
+    with gateways_sharing(redis_server, served, directory, "--cache-ttl", "600") as both:
+        yield both
 
 
 def test_two_gateways_share_hits_through_redis(two_gateways: tuple[Served, Served]) -> None:

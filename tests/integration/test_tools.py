@@ -99,19 +99,22 @@ def streamed_calls(client: OpenAI, **kwargs: Any) -> tuple[list[dict[str, Any]],
     return [calls[i] for i in sorted(calls)], finish
 
 
+def forced(tool_choice: Any) -> dict[str, Any]:
+    """The question, with the tools, a forced tool choice, greedy."""
+    return {
+        "messages": QUESTION,
+        "tools": TOOLS,
+        "tool_choice": tool_choice,
+        "max_tokens": 80,
+        "temperature": 0,
+    }
+
+
 @pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
 def test_forced_calls_have_arguments_valid_under_the_schema(
     client: OpenAI, tool_choice: Any
 ) -> None:
-    response = client.chat.completions.create(
-        model=MODEL,
-        messages=QUESTION,
-        tools=TOOLS,
-        tool_choice=tool_choice,
-        max_tokens=80,
-        temperature=0,
-    )
-    choice = response.choices[0]
+    choice = client.chat.completions.create(model=MODEL, **forced(tool_choice)).choices[0]
     names = {"get_weather"} if tool_choice == NAMED else set(SCHEMAS)
     assert_valid_calls(choice.message.tool_calls or [], names)
     # As vLLM (and OpenAI) answer them: a named call ends with "stop".
@@ -120,26 +123,12 @@ def test_forced_calls_have_arguments_valid_under_the_schema(
 
 @pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
 def test_forced_calls_stream_as_indexed_deltas(client: OpenAI, tool_choice: Any) -> None:
-    calls, _ = streamed_calls(
-        client,
-        messages=QUESTION,
-        tools=TOOLS,
-        tool_choice=tool_choice,
-        max_tokens=80,
-        temperature=0,
-    )
+    calls, _ = streamed_calls(client, **forced(tool_choice))
     assert calls and all(c["id"] and c["name"] in SCHEMAS for c in calls), calls
     for call in calls:
         jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
     # The same calls as the whole response's.
-    whole = client.chat.completions.create(
-        model=MODEL,
-        messages=QUESTION,
-        tools=TOOLS,
-        tool_choice=tool_choice,
-        max_tokens=80,
-        temperature=0,
-    )
+    whole = client.chat.completions.create(model=MODEL, **forced(tool_choice))
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
         (t.function.name, json.loads(t.function.arguments))
         for t in whole.choices[0].message.tool_calls or []

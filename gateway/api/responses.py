@@ -1,0 +1,148 @@
+"""The Responses API's state, kept by the gateway so any replica can answer.
+
+vLLM's server keeps stored responses in its own process, so behind a pool
+``GET /v1/responses/{id}`` and ``previous_response_id`` would work only on
+the worker that answered. The gateway keeps them instead: each stored
+response (``store`` is true by default, as in OpenAI's API) is saved with
+the conversation that led to it (its input items and its output items) in
+the response cache's backend when ``--cache`` is on (Redis: shared by every
+gateway process and replica), else in this process's memory, for
+``--cache-ttl`` seconds. ``GET`` answers from there; ``previous_response_id``
+becomes that conversation prepended to the new input, which any worker can
+run. Requests for responses the gateway never saw go on to vLLM unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterable, AsyncIterator
+from typing import Any
+
+import msgspec
+from fastapi import Request
+
+from gateway.cache import ResponseCache
+from gateway.cache.memory import MemoryStore
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "llmgate:response:"
+# vLLM's compact JSON for a response that continues none (patched when it does).
+_NO_PREVIOUS = b'"previous_response_id":null'
+
+
+class Record(msgspec.Struct):
+    """One stored response and the conversation items up to and including it."""
+
+    response: dict[str, Any]
+    items: list[Any]
+
+
+def store_of(request: Request) -> ResponseCache:
+    """The app's store for responses: the response cache, or one in memory."""
+    state = request.app.state
+    store: ResponseCache | None = getattr(state, "responses", None)
+    if store is None:
+        settings = state.pool.settings
+        store = state.cache or ResponseCache(
+            MemoryStore(settings.cache_max_bytes),
+            settings.cache_ttl,
+            "deterministic",
+            "memory (responses)",
+        )
+        state.responses = store
+    return store
+
+
+async def load(store: ResponseCache, response_id: str) -> Record | None:
+    value = await store.get_bytes(KEY_PREFIX + response_id)
+    if value is None:
+        return None
+    try:
+        return msgspec.json.decode(value, type=Record)
+    except msgspec.DecodeError:
+        log.warning("dropping an unreadable stored response %s", response_id)
+        return None
+
+
+def input_items(body: dict[str, Any]) -> list[Any]:
+    """A request's ``input`` as a list of items (a string is one user message)."""
+    given = body.get("input")
+    if isinstance(given, str):
+        return [{"type": "message", "role": "user", "content": given}]
+    return list(given) if isinstance(given, list) else []
+
+
+def continued(body: dict[str, Any], previous: Record) -> dict[str, Any]:
+    """``body`` with the conversation of ``previous`` in its input instead of its id."""
+    out = {k: v for k, v in body.items() if k != "previous_response_id"}
+    out["input"] = [*previous.items, *input_items(body)]
+    return out
+
+
+class Recorder:
+    """Reads a Responses answer as it goes out and stores it once it is complete."""
+
+    def __init__(
+        self, store: ResponseCache, body: dict[str, Any], previous: Record | None, previous_id: str
+    ) -> None:
+        self.store = store
+        self.items = [*(previous.items if previous else []), *input_items(body)]
+        self.previous_id = previous_id
+        self.buffer = b""
+
+    def patch(self, chunk: bytes) -> bytes:
+        """The answer names the response it continues (vLLM saw none: it got the items)."""
+        if not self.previous_id:
+            return chunk
+        named = f'"previous_response_id":{json.dumps(self.previous_id)}'.encode()
+        return chunk.replace(_NO_PREVIOUS, named)
+
+    async def save(self, response: dict[str, Any]) -> None:
+        if response.get("status") not in ("completed", "incomplete") or not response.get("id"):
+            return
+        record = Record(response, [*self.items, *response.get("output", [])])
+        await self.store.put_bytes(KEY_PREFIX + str(response["id"]), msgspec.json.encode(record))
+
+    async def whole(self, content: bytes) -> bytes:
+        content = self.patch(content)
+        try:
+            response = json.loads(content)
+        except ValueError:
+            return content
+        if isinstance(response, dict):
+            await self.save(response)
+        return content
+
+    async def stream(self, body: AsyncIterable[Any], save: bool = True) -> AsyncIterator[bytes]:
+        """The stream (patched), stored before its final event reaches the
+        client, so a GET right after it finds the response."""
+        try:
+            async for part in body:
+                chunk = self.patch(bytes(part))
+                if not save:
+                    yield chunk
+                    continue
+                self.buffer += chunk
+                events, _, self.buffer = self.buffer.rpartition(b"\n\n")
+                for line in events.split(b"\n"):
+                    if line.startswith(b"data: {") and (
+                        b"response.completed" in line or b"response.incomplete" in line
+                    ):
+                        await self._maybe_final(line[6:])
+                yield chunk
+        finally:
+            aclose = getattr(body, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def _maybe_final(self, data: bytes) -> None:
+        try:
+            event = json.loads(data)
+        except ValueError:
+            return
+        if event.get("type") in ("response.completed", "response.incomplete"):
+            response = event.get("response")
+            if isinstance(response, dict):
+                await self.save(response)

@@ -1,0 +1,90 @@
+"""The Responses API's state, kept by the gateway (gateway.api.responses), with
+the real engine: a response stored through one gateway is found, and
+continued with ``previous_response_id``, through another that shares its
+Redis, whichever worker runs the continuation."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.conftest import MODEL, Served
+from tests.integration.redis_server import RedisServer, gateways_sharing
+
+ASK = {"model": MODEL, "max_output_tokens": 12, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def replicas(
+    served: Served, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Served, Served]]:
+    """Two gateways sharing one Redis, in front of the session's worker."""
+    directory = tmp_path_factory.mktemp("responses")
+    redis_server = RedisServer(directory)
+    redis_server.start()
+    try:
+        with gateways_sharing(redis_server, served, directory) as both:
+            yield both
+    finally:
+        redis_server.stop()
+
+
+def client(gateway: Served) -> OpenAI:
+    return OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def test_a_response_made_through_one_replica_is_read_through_another(
+    replicas: tuple[Served, Served],
+) -> None:
+    first, second = replicas
+    made = client(first).responses.create(input="What is the capital of France?", **ASK)
+    found = client(second).responses.retrieve(made.id)
+    assert found.id == made.id and found.output_text == made.output_text
+    assert found.usage == made.usage
+
+
+def test_previous_response_id_continues_the_conversation_on_another_replica(
+    replicas: tuple[Served, Served],
+) -> None:
+    first, second = replicas
+    made = client(first).responses.create(input="My name is Ada.", **ASK)
+    alone = client(second).responses.create(input="What is my name?", **ASK)
+    after = client(second).responses.create(
+        input="What is my name?", previous_response_id=made.id, **ASK
+    )
+    assert after.previous_response_id == made.id
+    assert alone.usage is not None and after.usage is not None and made.usage is not None
+    # The worker read the whole conversation: the first turn, its answer, the question.
+    assert after.usage.input_tokens > alone.usage.input_tokens + made.usage.output_tokens
+    # And a third turn reaches back through both.
+    third = client(first).responses.create(input="Thanks.", previous_response_id=after.id, **ASK)
+    assert third.usage is not None
+    assert third.usage.input_tokens > after.usage.input_tokens + after.usage.output_tokens
+
+
+def test_a_streamed_response_is_stored_before_its_last_event(
+    replicas: tuple[Served, Served],
+) -> None:
+    first, second = replicas
+    body: dict[str, Any] = {**ASK, "input": "Name a color.", "stream": True}
+    final = None
+    with httpx.stream("POST", f"{first.base_url}/v1/responses", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and "response.completed" in line:
+                final = json.loads(line[6:])["response"]
+                break  # read no further: it must already be stored
+    assert final is not None
+    found = httpx.get(f"{second.base_url}/v1/responses/{final['id']}", timeout=60).json()
+    assert found["id"] == final["id"] and found["output"] == final["output"]
+
+
+def test_store_false_is_not_kept(replicas: tuple[Served, Served]) -> None:
+    first, second = replicas
+    made = client(first).responses.create(input="Say hi.", store=False, **ASK)
+    response = httpx.get(f"{second.base_url}/v1/responses/{made.id}", timeout=60)
+    assert response.status_code == 404
