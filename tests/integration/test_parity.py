@@ -56,6 +56,11 @@ def vllm_url(served: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         *LLMGATE_DEFAULTS,
     ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}  # as the llmgate worker has it
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2:
+        # The session's lone worker computes on the first core (vLLM's CPU
+        # default); this engine on the last, so the two answer side by side.
+        env |= {"VLLM_CPU_OMP_THREADS_BIND": str(cores[-1]), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     with log_path.open("wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
