@@ -51,6 +51,8 @@ class WorkerState:
     system_fingerprint: str | None = None
     # Its chats stream as under a vLLM tool or reasoning parser (protocol.Heartbeat).
     chat_parser: bool = False
+    # Its chats are answered by vLLM's server in the worker (a reasoning parser).
+    reasoning_parser: bool = False
     # No longer listed by DNS: closed once idle.
     retired: bool = False
     # Set from the link; plain attributes, not properties: read several times
@@ -186,6 +188,7 @@ class Workers:
         worker.draining = beat.draining
         worker.system_fingerprint = beat.system_fingerprint or None
         worker.chat_parser = beat.chat_parser
+        worker.reasoning_parser = beat.reasoning_parser
         # The worker's count includes this gateway's own requests, which
         # in_flight already knows exactly and at once: keep only the rest.
         worker.others = max(0, beat.running + beat.waiting - worker.in_flight)

@@ -182,6 +182,9 @@ class Heartbeat(_Message, tag="hb"):
     # vLLM's chat streams take another shape under a tool or reasoning parser
     # (``--tool-call-parser``/``--reasoning-parser``): the gateway builds them so.
     chat_parser: bool = False
+    # A reasoning parser splits a chat's answer into reasoning and content,
+    # which only vLLM's server builds: the gateway sends it every chat.
+    reasoning_parser: bool = False
 
 
 ToWorker = Generate | Abort | Ping

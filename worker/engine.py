@@ -153,10 +153,11 @@ class Engine:
         # so a chat renders alike (--chat-template, its content format, ...).
         self.vllm_app: VllmApp | None = None
         self.renderer: Any = None
-        # vLLM streams chats in another shape under a tool or reasoning parser.
-        self.chat_parser = bool(
+        # vLLM streams chats in another shape under a tool or reasoning
+        # parser; under a reasoning parser, only its server builds them.
+        self.reasoning_parser = bool(getattr(namespace, "reasoning_parser", None))
+        self.chat_parser = self.reasoning_parser or bool(
             getattr(namespace, "tool_call_parser", None)
-            or getattr(namespace, "reasoning_parser", None)
         )
 
     async def start(self) -> None:

@@ -67,6 +67,7 @@ class FakeEngine(Engine):
         self.running = 0
         self.vllm_app = None
         self.chat_parser = False
+        self.reasoning_parser = False
 
     async def prepare(
         self, kind: protocol.RequestKind, params: dict[str, Any]

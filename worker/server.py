@@ -298,6 +298,7 @@ class WorkerServer:
             system_fingerprint=self.engine.system_fingerprint,
             pool=self.settings.pool,
             chat_parser=self.engine.chat_parser,
+            reasoning_parser=self.engine.reasoning_parser,
         )
 
     async def _heartbeat_loop(self) -> None:

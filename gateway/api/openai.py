@@ -17,6 +17,7 @@ from gateway import routes, schemas, sse
 from gateway.api import vllm_routes
 from gateway.api.call import JSON, Call, pool_of
 from gateway.api.http import read_body
+from gateway.pool import Pool
 
 router = APIRouter()
 
@@ -56,11 +57,20 @@ async def create_chat_completion(request: Request) -> Response:
     raw = schemas.decode_body(await read_body(request, pool.settings.max_body_bytes))
     body = schemas.validate(raw, schemas.ChatCompletionRequest)
     schemas.check_limits(body, pool.settings)
-    if schemas.vllm_field("chat", raw) is not None:
+    if schemas.vllm_field("chat", raw) is not None or _reasoning(pool, body.model):
         return await vllm_routes.forward(request, routes.CHAT.path, raw, body=body)
     builder = sse.Chat("", body.model, body.n, body.logprobs, body.top_logprobs or 0)
     call = Call(request, "chat", routes.CHAT.path, raw, body, builder)
     return await call.serve(lambda limit: _messages_key(body.messages, limit))
+
+
+def _reasoning(pool: Pool, model: str) -> bool:
+    """Whether a worker for ``model`` splits chats into reasoning and content
+    (``--reasoning-parser``): vLLM's server answers those chats. A name no
+    worker serves (an alias, ``auto``) counts every worker."""
+    workers = pool.healthy_workers()
+    serving = [w for w in workers if model in w.models] or workers
+    return any(w.reasoning_parser for w in serving)
 
 
 def _num_prompts(prompt: str | list[Any]) -> int:
