@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
 
-.PHONY: install run test test-fast lint format bench bench-overhead loadtest clean
+.PHONY: install run test test-fast lint format bench bench-overhead bench-scaling loadtest clean
 
 install:
 	@scripts/install.sh
@@ -38,6 +38,11 @@ bench: install
 bench-overhead: install
 	@scripts/debian-package.sh wrk
 	$(PY) -m loadtest.overhead $(ARGS)
+
+# One gateway in front of 1, 2, 4, 8 FAKE workers: scaling and saturation (wrk too).
+bench-scaling: install
+	@scripts/debian-package.sh wrk
+	$(PY) -m loadtest.scaling $(ARGS)
 
 loadtest: install
 	$(PY) -m loadtest.loadtest $(ARGS)

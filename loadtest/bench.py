@@ -4,7 +4,11 @@ One run, one machine, one model (the embedded SmolLM2-135M-Instruct, float32,
 the same engine flags everywhere), the targets one after the other, never two
 at once (``loadtest.targets`` says what each is):
 
-    llmgate-1  llmgate-2  vllm-direct  vllm-router-2  fastapi-batching  vllm-inprocess
+    llmgate-1  llmgate-2  vllm-direct  vllm-direct-default  vllm-router-2
+    fastapi-batching  vllm-inprocess
+
+``--scenario multiturn`` runs ``loadtest.multiturn`` instead: multi-turn chat
+over two workers under each routing policy (its own flags; see there).
 
 The workload is the seed scenario: ``--users`` closed-loop clients (40) each
 stream ``/v1/completions`` for "Hello World, what is your name dog?" with
@@ -162,6 +166,7 @@ RATIOS = (
     ("llmgate-2 / fastapi-batching", "llmgate-2", "fastapi-batching"),
     ("vllm-direct / fastapi-batching", "vllm-direct", "fastapi-batching"),
     ("llmgate-1 / vllm-inprocess", "llmgate-1", "vllm-inprocess"),
+    ("llmgate-1 / vllm-direct-default", "llmgate-1", "vllm-direct-default"),
 )
 
 
@@ -242,12 +247,32 @@ def plot(path: Path, results: list[Stats], title: str) -> None:
 # --- command line ---------------------------------------------------------
 
 
+SCENARIOS = ("seed", "multiturn")
+
+
+def _add_scenario(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--scenario",
+        choices=SCENARIOS,
+        default="seed",
+        help="seed: the targets side by side (default); multiturn: multi-turn chat over "
+        "two workers under each routing policy (loadtest.multiturn, its own flags)",
+    )
+
+
+def _scenario_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False)
+    _add_scenario(parser)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m loadtest.bench",
         description="llmgate against vLLM, vllm-router, a FastAPI batching baseline and "
         "vLLM in-process, one after the other, on the same model and cores.",
     )
+    _add_scenario(parser)
     parser.add_argument(
         "--targets",
         default="all",
@@ -292,7 +317,12 @@ def _raise_interrupt(signum: int, _frame: FrameType | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    scenario, rest = _scenario_parser().parse_known_args(argv)
+    if scenario.scenario == "multiturn":
+        from loadtest import multiturn
+
+        return multiturn.main(rest)
+    args = build_parser().parse_args(rest)
     if args.long:
         args.max_tokens = LONG_MAX_TOKENS
     if args.users < 1 or args.duration <= 0 or args.warmup < 0 or args.max_tokens < 1:

@@ -3,11 +3,13 @@
 Every target serves the embedded SmolLM2-135M-Instruct from the same
 converted directory, in float32, with the same engine flags. Cores are split
 as ``llmgate serve`` splits them (``worker.launcher.cpu_slices``): one engine
-alone binds its compute threads as vLLM does by default; two engines each get
-their own slice, with no core held back for a front end.
+alone binds its compute threads to every core; two engines each get their
+own slice; none holds a core back for a front end (but ``vllm-direct-default``).
 
 * ``llmgate-1`` / ``llmgate-2``: ``llmgate serve`` with one / two workers.
-* ``vllm-direct``: ``python -m vllm.entrypoints.openai.api_server``.
+* ``vllm-direct``: ``python -m vllm.entrypoints.openai.api_server``, with
+  llmgate's thread settings (no core reserved for the front end).
+* ``vllm-direct-default``: the same at vLLM's own default (one core reserved).
 * ``vllm-router-2``: two such servers, pinned like ``llmgate-2``'s workers,
   behind ``vllm-router`` (Rust), which lives in its own virtualenv
   (``.venv-router``, made on first use) so its dependencies cannot touch ours.
@@ -39,6 +41,7 @@ TARGETS = (
     "llmgate-1",
     "llmgate-2",
     "vllm-direct",
+    "vllm-direct-default",
     "vllm-router-2",
     "fastapi-batching",
     "vllm-inprocess",
@@ -79,13 +82,17 @@ def parse_targets(text: str) -> list[str]:
     return [t for t in TARGETS if t in wanted]
 
 
-def engine_env(cpu_slice: str | None = None) -> dict[str, str]:
-    """The environment of a vLLM engine: small KV cache; pinned when given a core slice."""
+def engine_env(cpu_slice: str | None = None, vllm_default: bool = False) -> dict[str, str]:
+    """The environment of a vLLM engine: small KV cache; pinned when given a
+    core slice; no core held back for the front end, as ``llmgate serve``
+    gives its workers (``worker.launcher``), unless ``vllm_default``: then
+    what vLLM does by itself (one core reserved), as ``vllm serve`` would run."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
     if cpu_slice is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_slice
-        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    if not vllm_default:
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     return env
 
 
@@ -153,10 +160,11 @@ def serving(target: str, engine: Engine, run_dir: Path) -> Iterator[str]:
 
             url = f"http://127.0.0.1:{port}"
             await_ready(target, proc, log, url + "/ready", engine.startup_timeout, healthy)
-        elif target == "vllm-direct":
+        elif target in ("vllm-direct", "vllm-direct-default"):
             port, log = free_port(), run_dir / f"{target}.log"
             argv = vllm_server_argv(port, engine)
-            proc = stack.enter_context(launched(target, argv, log, engine_env(), ROOT))
+            env = engine_env(vllm_default=target == "vllm-direct-default")
+            proc = stack.enter_context(launched(target, argv, log, env, ROOT))
             url = f"http://127.0.0.1:{port}"
             await_ready(target, proc, log, url + "/v1/models", engine.startup_timeout)
         elif target == "vllm-router-2":

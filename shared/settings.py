@@ -97,7 +97,11 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
         float, _help("prefix policy: most load one worker may take, as a multiple of the mean")
     ] = 1.25
     prefix_chars: Annotated[
-        int, _help("prefix policy: characters of the prompt that make the affinity key")
+        int,
+        _help(
+            "prefix policy: characters of the prompt (of a chat's system prompt and "
+            "first message) that make the affinity key"
+        ),
     ] = 256
     max_retries: Annotated[
         int, _help("times a request is re-sent when its worker is lost before any output")

@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def log_level(namespace: argparse.Namespace) -> str:
+    """vLLM's ``--log-level``, or info: vLLM's parser leaves the flag out of
+    the namespace when it is not given (``argparse.SUPPRESS``)."""
+    return getattr(namespace, "log_level", None) or "info"
+
+
 def apply_embedded_model_defaults(namespace: argparse.Namespace) -> None:
     """Point vLLM at the embedded model when no ``--model`` was given."""
     if namespace.model is not None:
@@ -67,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     namespace = parser.parse_args(argv)
     worker_settings = settings.from_namespace(settings.WorkerSettings, namespace)
     try:
-        setup_logging(namespace.log_level or "info", worker_settings.log_format)
+        setup_logging(log_level(namespace), worker_settings.log_format)
     except ValueError as exc:
         sys.exit(f"llmgate worker: {exc}")
     _check_keys(worker_settings)

@@ -85,15 +85,20 @@ def _prompt_key(prompt: str | list[Any], limit: int) -> str:
 
 
 def _messages_key(messages: list[schemas.ChatMessage], limit: int) -> str:
-    """The first ``limit`` characters of the conversation, roles included."""
+    """The conversation's identity: its leading system/developer messages and
+    first other message, each cut to ``limit`` characters, roles included.
+
+    Every turn of a conversation starts with these, so all its turns go to
+    the worker whose prefix cache holds its history; conversations that
+    share a long system prompt still spread by their first user message
+    (the first ``limit`` characters alone would send them all one way).
+    """
     parts = []
-    size = 0
     for message in messages:
         content = message.content
         if isinstance(content, list):
             content = " ".join(str(p.get("text", "")) for p in content)
-        parts.append(f"{message.role}:{content or ''}")
-        size += len(parts[-1]) + 1
-        if size >= limit:
+        parts.append(f"{message.role}:{(content or '')[:limit]}")
+        if message.role not in ("system", "developer"):
             break
-    return "\n".join(parts)[:limit]
+    return "\n".join(parts)

@@ -3,14 +3,15 @@
 Every policy has one method, ``select(context) -> WorkerState``. The pool
 calls it only with workers that are healthy, serve the requested model, are
 not draining and have a free slot, so a policy only chooses among equals in
-eligibility. Policies keep no per-request or per-key state (the memory of
-routing stays bounded whatever the traffic):
+eligibility. Policies keep no per-request state, and per-key state only in a
+bounded map (the memory of routing stays bounded whatever the traffic):
 
 * ``least-load`` (default): power of two choices over each worker's load:
   its requests in flight from this gateway (exact, current) plus those of
   other gateways, as of its last heartbeat (``gateway.policies.least_load``);
-* ``prefix``: rendezvous hashing of a session key or the prompt's prefix, with
-  bounded load, so repeated prefixes reach the same vLLM prefix cache
+* ``prefix``: a session key or the conversation's start stays on the worker
+  it was placed on (the least loaded, ties by rendezvous hashing), within a
+  load bound, so a conversation's turns reach the same vLLM prefix cache
   (``gateway.policies.prefix``);
 * ``round-robin``: in turn (``gateway.policies.round_robin``).
 """

@@ -139,3 +139,70 @@ async def test_a_heartbeat_counts_only_other_gateways_requests() -> None:
     pool.workers.on_heartbeat(worker, beat)
     assert worker.others == 0
     assert load(worker) == 12
+
+
+def chat(*turns: tuple[str, str]) -> list[Any]:
+    from gateway.schemas import ChatMessage
+
+    return [ChatMessage(role=role, content=text) for role, text in turns]  # type: ignore[arg-type]
+
+
+def test_a_conversations_key_is_the_same_at_every_turn() -> None:
+    from gateway.api.openai import _messages_key
+
+    system = ("system", "You are a helpful assistant. " * 40)  # longer than the limit
+    first = chat(system, ("user", "Tell me about owls."))
+    later = chat(
+        system,
+        ("user", "Tell me about owls."),
+        ("assistant", "Owls are birds."),
+        ("user", "And their eyes?"),
+    )
+    assert _messages_key(first, 256) == _messages_key(later, 256)
+
+
+def test_conversations_sharing_a_long_system_prompt_get_different_keys() -> None:
+    from gateway.api.openai import _messages_key
+
+    system = ("system", "You are a helpful assistant. " * 40)
+    owls = _messages_key(chat(system, ("user", "Tell me about owls.")), 256)
+    cats = _messages_key(chat(system, ("user", "Tell me about cats.")), 256)
+    assert owls != cats
+    # Each message counts up to the limit: the system prompt's tail does not.
+    other_tail = ("system", "You are a helpful assistant. " * 40 + "Be brief.")
+    assert owls == _messages_key(chat(other_tail, ("user", "Tell me about owls.")), 256)
+
+
+def test_content_parts_make_the_same_key_as_text() -> None:
+    from gateway.api.openai import _messages_key
+    from gateway.schemas import ChatMessage
+
+    parts = [ChatMessage(role="user", content=[{"type": "text", "text": "Hi there"}])]
+    assert _messages_key(parts, 256) == _messages_key(chat(("user", "Hi there")), 256)
+
+
+def test_prefix_places_a_few_new_conversations_evenly() -> None:
+    """Pure hashing put 3 of 4 conversations on one of 2 workers in the
+    multi-turn bench; placement on the least loaded worker does not."""
+    for trial in range(20):
+        pool = workers(2)
+        policy = PrefixAffinity()
+        for i in range(4):
+            policy.select(ctx(pool, f"trial {trial} conversation {i}")).in_flight += 1
+        assert sorted(w.in_flight for w in pool) == [2, 2]
+
+
+def test_prefix_keeps_a_conversation_on_its_worker_while_within_the_bound() -> None:
+    pool = workers(2)
+    policy = PrefixAffinity(load_factor=1.5)
+    home = policy.select(ctx(pool, "conversation"))
+    home.in_flight += 1  # the other worker is now less loaded...
+    assert policy.select(ctx(pool, "conversation")) is home  # ...but the history is here
+
+
+def test_prefix_remembers_a_bounded_number_of_keys() -> None:
+    pool = workers(2)
+    policy = PrefixAffinity(remembered=3)
+    for i in range(10):
+        policy.select(ctx(pool, f"key-{i}"))
+    assert list(policy._placed) == ["key-7", "key-8", "key-9"]

@@ -140,9 +140,12 @@ def test_targets_keep_the_bench_order_and_refuse_unknown_names() -> None:
 def test_engine_env_pins_a_slice_with_no_reserved_core(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
     alone = targets.engine_env()
     assert alone["VLLM_CPU_KVCACHE_SPACE"] == targets.KV_CACHE_GIB
     assert "VLLM_CPU_OMP_THREADS_BIND" not in alone  # vLLM binds a lone engine itself
+    assert alone["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"  # as llmgate serve's worker
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in targets.engine_env(vllm_default=True)
     pinned = targets.engine_env("1")
     assert pinned["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert pinned["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"

@@ -39,11 +39,29 @@ def test_cpu_workers_are_pinned_to_their_own_cores(monkeypatch: pytest.MonkeyPat
     assert [c.env["VLLM_CPU_OMP_THREADS_BIND"] for c in children] == ["0,1", "2,3"]
 
 
-def test_a_single_cpu_worker_keeps_vllms_own_binding(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_single_cpu_worker_computes_on_every_core(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    (child,) = launcher.plan_workers(ServeSettings(), [])
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda _pid: {0, 1})
+    with caplog.at_level("INFO", logger="llmgate.launcher"):
+        (child,) = launcher.plan_workers(ServeSettings(), [])
+    # vLLM binds its threads itself, with no core held back for its front end.
     assert "VLLM_CPU_OMP_THREADS_BIND" not in child.env
+    assert child.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert (
+        "CPU layout, 2 usable cores: worker-0 on cores all 2 (reserved for its front end: 0)"
+        in caplog.text
+    )
+
+
+def test_the_environment_wins_over_the_cpu_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    (child,) = launcher.plan_workers(ServeSettings(), [])
+    assert child.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
 
 
 def test_gpu_device_without_gpus_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,368 @@
+"""Multi-turn chat over two workers: does the ``prefix`` policy turn vLLM's
+prefix cache into shorter times to first token?
+
+``make bench ARGS="--scenario multiturn"`` (or ``python -m loadtest.multiturn``).
+Two real workers (the embedded model, each pinned to its own core slice as
+``llmgate serve --num-workers 2`` pins them) start once; then, for each
+policy in turn (``prefix``, ``least-load``, ``round-robin``), a gateway with
+that ``--policy`` starts in front of them and ``--users`` simulated users
+each hold a conversation of ``--turns`` turns: a long system prompt shared
+by all, then their own user messages (``--user-words`` words each, their
+own text), each answered with ``--max-tokens`` tokens (greedy, ``ignore_eos``)
+that join the history before the next turn. A user sends its next turn as
+soon as the last answer ends (closed loop).
+
+Each policy's run starts every text with its own tag, so nothing one run
+put in a worker's prefix cache helps the next. Reported per policy: mean and
+p99 TTFT over all turns (and over turns 2+, where the history exists), mean
+end-to-end latency, requests/s and output tokens/s over the run, and each
+worker's prefix-cache hit rate in the run (vLLM's ``vllm:prefix_cache_hits``
+over ``vllm:prefix_cache_queries``, in tokens, from the workers' metrics).
+
+Results go to ``loadtest/results/<UTC time>-multiturn/`` (``results.json``,
+``results.csv``, the logs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import csv
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest import targets
+from loadtest.closed_loop import percentile
+from loadtest.procs import await_ready, free_port, launched, vllm_version
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_ROOT = ROOT / "loadtest" / "results"
+POLICIES = ("prefix", "least-load", "round-robin")
+TARGET_TTFT_RATIO = 1.5
+WORDS = (
+    "river mountain lantern copper orbit meadow harbor signal velvet quarry "
+    "falcon ember glacier thunder saddle marble cactus willow beacon prism "
+    "anchor canyon pepper violet tunnel orchard compass blossom timber "
+    "lagoon nickel parade summit walnut zephyr ribbon granite tulip cobalt"
+).split()
+
+
+@dataclass
+class Turn:
+    user: int
+    turn: int
+    ttft_s: float | None
+    latency_s: float
+    output_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    requests: int
+    errors: int
+    seconds: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    mean_ttft_ms: float | None
+    p99_ttft_ms: float | None
+    mean_ttft_later_turns_ms: float | None
+    mean_latency_ms: float | None
+    prefix_cache_hit_rate: list[float | None] = field(default_factory=list)
+    requests_per_worker: dict[str, int] = field(default_factory=dict)
+
+
+def text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words)) + "."
+
+
+def system_prompt(tag: str, words: int) -> str:
+    rng = random.Random(0)
+    return (
+        f"[{tag}] You are a patient assistant for a game of word associations. "
+        "Here are the rules and the vocabulary of the game: " + text(rng, words)
+    )
+
+
+def user_message(tag: str, user: int, turn: int, words: int) -> str:
+    rng = random.Random(f"{user}-{turn}")
+    return f"[{tag}] Player {user}, round {turn}: " + text(rng, words)
+
+
+async def conversation(
+    client: httpx.AsyncClient, args: argparse.Namespace, tag: str, user: int
+) -> tuple[list[Turn], list[str]]:
+    """One user's turns; also which worker answered each."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": system_prompt(tag, args.system_words)}
+    ]
+    turns: list[Turn] = []
+    workers: list[str] = []
+    for turn in range(1, args.turns + 1):
+        messages.append({"role": "user", "content": user_message(tag, user, turn, args.user_words)})
+        body = {
+            "model": targets.MODEL,
+            "messages": messages,
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        start = time.perf_counter()
+        first: float | None = None
+        answer: list[str] = []
+        tokens = 0
+        error = None
+        try:
+            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                if response.status_code != 200:
+                    error = f"HTTP {response.status_code}"
+                    await response.aread()
+                else:
+                    workers.append(response.headers.get("x-llmgate-worker", "?"))
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        for choice in chunk.get("choices", []):
+                            content = choice.get("delta", {}).get("content")
+                            if content:
+                                first = first or time.perf_counter()
+                                answer.append(content)
+                        if chunk.get("usage"):
+                            tokens = chunk["usage"]["completion_tokens"]
+        except httpx.HTTPError as exc:
+            error = type(exc).__name__
+        end = time.perf_counter()
+        ttft = first - start if first is not None else None
+        turns.append(Turn(user, turn, ttft, end - start, tokens, error))
+        if error:
+            break
+        messages.append({"role": "assistant", "content": "".join(answer)})
+    return turns, workers
+
+
+async def run_policy(
+    url: str, args: argparse.Namespace, tag: str
+) -> tuple[list[Turn], float, dict[str, int]]:
+    limits = httpx.Limits(max_connections=args.users, max_keepalive_connections=args.users)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
+        started = time.perf_counter()
+        done = await asyncio.gather(
+            *(conversation(client, args, tag, user) for user in range(args.users))
+        )
+        seconds = time.perf_counter() - started
+    turns = [t for user_turns, _ in done for t in user_turns]
+    per_worker: dict[str, int] = {}
+    for _, workers in done:
+        for worker in workers:
+            per_worker[worker] = per_worker.get(worker, 0) + 1
+    return turns, seconds, per_worker
+
+
+def prefix_counters(metrics_url: str) -> tuple[float, float]:
+    """(queries, hits) of vLLM's prefix cache in tokens, from a worker's /metrics."""
+    page = httpx.get(metrics_url, timeout=10).text
+    queries = hits = 0.0
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            if sample.name == "vllm:prefix_cache_queries_total":
+                queries += sample.value
+            elif sample.name == "vllm:prefix_cache_hits_total":
+                hits += sample.value
+    return queries, hits
+
+
+def summarize(
+    policy: str,
+    turns: list[Turn],
+    seconds: float,
+    rates: list[float | None],
+    per_worker: dict[str, int],
+) -> PolicyResult:
+    ok = [t for t in turns if t.error is None]
+    ttfts = [t.ttft_s * 1000 for t in ok if t.ttft_s is not None]
+    later = [t.ttft_s * 1000 for t in ok if t.ttft_s is not None and t.turn > 1]
+
+    def mean(values: list[float]) -> float | None:
+        return sum(values) / len(values) if values else None
+
+    return PolicyResult(
+        policy=policy,
+        requests=len(ok),
+        errors=len(turns) - len(ok),
+        seconds=seconds,
+        requests_per_s=len(ok) / seconds,
+        output_tokens_per_s=sum(t.output_tokens for t in ok) / seconds,
+        mean_ttft_ms=mean(ttfts),
+        p99_ttft_ms=percentile(ttfts, 99),
+        mean_ttft_later_turns_ms=mean(later),
+        mean_latency_ms=mean([t.latency_s * 1000 for t in ok]),
+        prefix_cache_hit_rate=rates,
+        requests_per_worker=per_worker,
+    )
+
+
+@contextlib.contextmanager
+def gateway(policy: str, addresses: list[str], run_dir: Path) -> Any:
+    port = free_port()
+    argv = [
+        *(sys.executable, "-m", "gateway.main", "--workers", ",".join(addresses)),
+        *("--port", str(port), "--policy", policy),
+    ]
+    log = run_dir / f"gateway-{policy}.log"
+    with launched(f"gateway {policy}", argv, log, cwd=ROOT) as proc:
+        url = f"http://127.0.0.1:{port}"
+        await_ready(
+            f"gateway {policy}",
+            proc,
+            log,
+            url + "/ready",
+            60.0,
+            lambda r: r.status_code == 200 and r.json()["healthy_workers"] >= len(addresses),
+        )
+        yield url
+
+
+def format_table(results: list[PolicyResult]) -> str:
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:,.0f}"
+
+    lines = [
+        "| policy | mean TTFT ms | p99 TTFT ms | mean TTFT turns 2+ ms | mean latency ms "
+        "| req/s | tok/s | prefix-cache hit rate per worker | requests per worker | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        rates = ", ".join("-" if x is None else f"{x:.0%}" for x in r.prefix_cache_hit_rate)
+        spread = ", ".join(f"{n}" for _, n in sorted(r.requests_per_worker.items()))
+        lines.append(
+            f"| {r.policy} | {ms(r.mean_ttft_ms)} | {ms(r.p99_ttft_ms)} | "
+            f"{ms(r.mean_ttft_later_turns_ms)} | {ms(r.mean_latency_ms)} | "
+            f"{r.requests_per_s:.2f} | {r.output_tokens_per_s:.1f} | {rates} | {spread} | "
+            f"{r.errors} |"
+        )
+    return "\n".join(lines)
+
+
+def verdict(results: list[PolicyResult]) -> str | None:
+    by = {r.policy: r for r in results}
+    prefix, rr = by.get("prefix"), by.get("round-robin")
+    if not prefix or not rr or not prefix.mean_ttft_ms or not rr.mean_ttft_ms:
+        return None
+    ratio = rr.mean_ttft_ms / prefix.mean_ttft_ms
+    throughput = prefix.output_tokens_per_s / rr.output_tokens_per_s
+    met = ratio >= TARGET_TTFT_RATIO and throughput >= 1.0
+    return (
+        f"round-robin mean TTFT / prefix mean TTFT: {ratio:.2f}x (target >= "
+        f"{TARGET_TTFT_RATIO}); prefix throughput / round-robin: {throughput:.2f}x "
+        f"(target >= 1.0): {'met' if met else 'NOT met'}"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.multiturn",
+        description="Multi-turn chat over two workers under each routing policy.",
+    )
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated")
+    parser.add_argument("--users", type=int, default=8, help="conversations at once")
+    parser.add_argument("--turns", type=int, default=8, help="turns per conversation")
+    parser.add_argument("--system-words", type=int, default=150, help="shared system prompt")
+    parser.add_argument("--user-words", type=int, default=120, help="words per user turn")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per answer")
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    policies = [p for p in args.policies.split(",") if p]
+    if set(policies) - set(POLICIES) or not policies:
+        raise SystemExit(f"--policies: choose from {', '.join(POLICIES)}")
+    from worker.embedded_model import ensure_model
+
+    ensure_model()
+    started = datetime.now(UTC)
+    run_dir = RESULTS_ROOT / f"{started:%Y%m%dT%H%M%SZ}-multiturn"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"results and logs: {run_dir.relative_to(ROOT)}/", flush=True)
+    engine = targets.Engine(args.enforce_eager, args.startup_timeout)
+    results: list[PolicyResult] = []
+    with contextlib.ExitStack() as stack:
+        addresses, metrics_urls = [], []
+        procs = []
+        for i, cpu_slice in enumerate(targets.core_slices(2)):
+            address, metrics_port = f"tcp://127.0.0.1:{free_port()}", free_port()
+            argv = [
+                *(sys.executable, "-m", "worker.main", "--bind", address),
+                *("--worker-id", f"worker-{i}", "--metrics-port", str(metrics_port)),
+                *engine.flags,
+            ]
+            log = run_dir / f"worker-{i}.log"
+            env = targets.engine_env(cpu_slice)
+            procs.append(stack.enter_context(launched(f"worker-{i}", argv, log, env, ROOT)))
+            addresses.append(address)
+            metrics_urls.append(f"http://127.0.0.1:{metrics_port}/metrics")
+        for i, (proc, url) in enumerate(zip(procs, metrics_urls, strict=True)):
+            # The metrics port opens with the worker's socket, once the engine is up.
+            await_ready(f"worker-{i}", proc, run_dir / f"worker-{i}.log", url, args.startup_timeout)
+        for n, policy in enumerate(policies):
+            with gateway(policy, addresses, run_dir) as url:
+                if n == 0:  # the engines' first requests are slow: not counted
+                    warm = argparse.Namespace(**{**vars(args), "turns": 1})
+                    asyncio.run(run_policy(url, warm, "warm-up"))
+                before = [prefix_counters(u) for u in metrics_urls]
+                print(f"[{policy}] {args.users} users x {args.turns} turns", flush=True)
+                turns, seconds, per_worker = asyncio.run(
+                    run_policy(url, args, f"{policy} {started:%H%M%S}")
+                )
+                after = [prefix_counters(u) for u in metrics_urls]
+            rates: list[float | None] = [
+                (h1 - h0) / (q1 - q0) if q1 > q0 else None
+                for (q0, h0), (q1, h1) in zip(before, after, strict=True)
+            ]
+            result = summarize(policy, turns, seconds, rates, per_worker)
+            results.append(result)
+            print(format_table([result]).splitlines()[-1], flush=True)
+    title = (
+        f"{started:%Y-%m-%d %H:%M} UTC, 2 workers, vLLM {vllm_version()}, {targets.MODEL}, "
+        f"{args.users} users x {args.turns} turns, system prompt {args.system_words} words, "
+        f"user turns {args.user_words} words, {args.max_tokens} tokens per answer"
+    )
+    document = {
+        "date": started.isoformat(),
+        "title": title,
+        "parameters": vars(args),
+        "results": [asdict(r) for r in results],
+        "verdict": verdict(results),
+    }
+    (run_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")
+    with (run_dir / "results.csv").open("w", newline="") as out:
+        writer = csv.DictWriter(out, fieldnames=list(asdict(results[0])))
+        writer.writeheader()
+        writer.writerows(asdict(r) for r in results)
+    print()
+    print(title)
+    print(format_table(results))
+    line = verdict(results)
+    if line:
+        print(line)
+    return 0 if all(r.errors == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""``loadtest.multiturn``'s parts on made-up figures; the measuring is a run of
+``make bench ARGS="--scenario multiturn"``, not a test."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from loadtest import multiturn
+from loadtest.multiturn import Turn
+
+
+def test_texts_are_the_same_for_a_user_and_turn_and_differ_otherwise() -> None:
+    a = multiturn.user_message("run", 1, 2, 30)
+    assert a == multiturn.user_message("run", 1, 2, 30)
+    assert a != multiturn.user_message("run", 2, 2, 30)
+    assert a != multiturn.user_message("other run", 1, 2, 30)
+    # Each run's system prompt starts with its tag: no run reuses another's cache.
+    assert multiturn.system_prompt("x", 10).startswith("[x]")
+
+
+def test_summary_of_turns() -> None:
+    turns = [
+        Turn(0, 1, 0.4, 1.0, 16),
+        Turn(0, 2, 0.2, 0.8, 16),
+        Turn(1, 1, None, 0.1, 0, error="HTTP 503"),
+    ]
+    result = multiturn.summarize("prefix", turns, 2.0, [0.5, None], {"w0": 2})
+    assert (result.requests, result.errors) == (2, 1)
+    assert result.mean_ttft_ms == pytest.approx(300)
+    assert result.mean_ttft_later_turns_ms == pytest.approx(200)
+    assert result.output_tokens_per_s == pytest.approx(16)
+    assert "| prefix | 300 |" in multiturn.format_table([result])
+
+
+def test_verdict_compares_prefix_with_round_robin() -> None:
+    prefix = multiturn.summarize("prefix", [Turn(0, 1, 0.1, 1.0, 16)], 1.0, [], {})
+    rr = multiturn.summarize("round-robin", [Turn(0, 1, 0.2, 1.0, 16)], 1.0, [], {})
+    line = multiturn.verdict([prefix, rr])
+    assert line is not None and "2.00x" in line and line.endswith("met")
+    assert multiturn.verdict([prefix]) is None
+
+
+def test_prefix_counters_are_read_from_vllms_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
+    page = (
+        "# TYPE vllm:prefix_cache_queries counter\n"
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0\n'
+        "# TYPE vllm:prefix_cache_hits counter\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 250.0\n'
+    )
+    monkeypatch.setattr(multiturn.httpx, "get", lambda *_a, **_k: httpx.Response(200, text=page))
+    assert multiturn.prefix_counters("http://worker/metrics") == (1000.0, 250.0)
