@@ -7,6 +7,10 @@ at once (``loadtest.targets`` says what each is):
     llmgate-1  llmgate-2  vllm-direct  vllm-direct-default  vllm-router-2
     fastapi-batching  vllm-inprocess
 
+``--model DIR`` (and ``--dtype``) serve a model from this host's disk under
+the same name everywhere; on a GPU host the ``-1`` targets get GPU 0 and the
+``-2`` targets GPUs 0 and 1 (``loadtest/gpu_bench.sh`` runs it there).
+
 ``--scenario multiturn`` runs ``loadtest.multiturn`` instead: multi-turn chat
 over two workers under each routing policy (its own flags; see there).
 
@@ -98,10 +102,12 @@ def measure_inprocess(args: argparse.Namespace, engine: targets.Engine, run_dir:
         *(sys.executable, "-m", "loadtest.inprocess", "--out", str(out)),
         *("--users", str(args.users), "--duration", str(args.duration)),
         *("--warmup", str(args.warmup), "--max-tokens", str(args.max_tokens)),
-        *("--prompt", PROMPT, *engine.flags),
+        *("--prompt", PROMPT, *engine.flags, "--dtype", engine.dtype),
+        *(("--model-dir", engine.model_dir) if engine.model_dir else ()),
     ]
     log = run_dir / f"{target}.log"
-    with launched(target, argv, log, targets.engine_env(), ROOT) as proc:
+    env = {**targets.engine_env(), **engine.gpu_env(1)}
+    with launched(target, argv, log, env, ROOT) as proc:
         limit = engine.startup_timeout + args.warmup + args.duration + 60
         try:
             code = proc.wait(timeout=limit)
@@ -118,7 +124,13 @@ def stats_from_dict(data: dict[str, Any]) -> Stats:
 
 
 def measure(target: str, args: argparse.Namespace, run_dir: Path) -> Stats:
-    engine = targets.Engine(enforce_eager=args.enforce_eager, startup_timeout=args.startup_timeout)
+    engine = targets.Engine(
+        enforce_eager=args.enforce_eager,
+        startup_timeout=args.startup_timeout,
+        model_dir=args.model,
+        dtype=args.dtype,
+        gpus=args.gpus,
+    )
     if target == "vllm-inprocess":
         return measure_inprocess(args, engine, run_dir)
     with targets.serving(target, engine, run_dir) as url:
@@ -301,6 +313,15 @@ def build_parser() -> argparse.ArgumentParser:
         "of torch.compile each; --no-enforce-eager measures compiled engines",
     )
     parser.add_argument(
+        "--model",
+        default=None,
+        help="a model directory on this host's disk for every target (default: the embedded "
+        "model); served as " + targets.MODEL,
+    )
+    parser.add_argument(
+        "--dtype", default="float32", help="every engine's dtype (auto: the model's own)"
+    )
+    parser.add_argument(
         "--startup-timeout", type=float, default=600.0, help="seconds a server may take to start"
     )
     parser.add_argument(
@@ -332,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     args.targets = ",".join(chosen)
+    from worker.launcher import count_gpus
+
+    # On a GPU host "-1" targets get one GPU and "-2" targets two (loadtest/gpu_bench.sh).
+    args.gpus = count_gpus()
     # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so every server is stopped;
     # SIGINT too when started in the background, where it would be ignored.
     signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -362,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
             write_results(run_dir, started, args, results)
     title = (
         f"{started:%Y-%m-%d %H:%M} UTC, {platform.machine()}, {len(os.sched_getaffinity(0))} "
-        f"cores, vLLM {vllm_version()}, {targets.MODEL} float32, {args.users} users, "
+        f"cores, {args.gpus} GPUs, vLLM {vllm_version()}, {args.model or targets.MODEL} "
+        f"{args.dtype}, {args.users} users, "
         f"max_tokens {args.max_tokens}, {'eager' if args.enforce_eager else 'compiled'}"
     )
     if results:

@@ -37,9 +37,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     from worker.embedded_model import ensure_model
 
     engine_args = AsyncEngineArgs(
-        model=str(ensure_model()),
+        model=args.model_dir or str(ensure_model()),
         served_model_name=[MODEL],
-        dtype="float32",
+        dtype=args.dtype,
         enforce_eager=args.enforce_eager,
     )
     started = time.monotonic()
@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=10)
     parser.add_argument("--prompt", default="Hello World, what is your name dog?")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--model-dir", default=None, help="default: the embedded model")
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
     stats = asyncio.run(measure(args))

@@ -81,6 +81,8 @@ class PolicyResult:
     mean_latency_ms: float | None
     prefix_cache_hit_rate: list[float | None] = field(default_factory=list)
     requests_per_worker: dict[str, int] = field(default_factory=dict)
+    # Mean TTFT of each turn number (1, 2, ...), to see the history's effect.
+    mean_ttft_by_turn_ms: list[float | None] = field(default_factory=list)
 
 
 def text(rng: random.Random, words: int) -> str:
@@ -212,6 +214,10 @@ def summarize(
         mean_latency_ms=mean([t.latency_s * 1000 for t in ok]),
         prefix_cache_hit_rate=rates,
         requests_per_worker=per_worker,
+        mean_ttft_by_turn_ms=[
+            mean([t.ttft_s * 1000 for t in ok if t.ttft_s is not None and t.turn == n])
+            for n in range(1, max((t.turn for t in turns), default=0) + 1)
+        ],
     )
 
 
@@ -358,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(title)
     print(format_table(results))
+    for r in results:
+        by_turn = ", ".join("-" if x is None else f"{x:,.0f}" for x in r.mean_ttft_by_turn_ms)
+        print(f"{r.policy} mean TTFT by turn (ms): {by_turn}")
     line = verdict(results)
     if line:
         print(line)

@@ -59,14 +59,32 @@ KV_CACHE_GIB = "1"  # what an llmgate worker gets by default
 
 @dataclass(frozen=True)
 class Engine:
-    """The engine settings every target shares."""
+    """The engine settings every target shares, and the devices they run on."""
 
     enforce_eager: bool
     startup_timeout: float
+    # A model directory on this host's disk; None: the embedded model.
+    model_dir: str | None = None
+    dtype: str = "float32"
+    # GPUs visible here (0: CPU). Target "-1" gets GPU 0, "-2" GPUs 0 and 1.
+    gpus: int = 0
 
     @property
     def flags(self) -> list[str]:
         return ["--enforce-eager"] if self.enforce_eager else []
+
+    @property
+    def model_path(self) -> str:
+        return self.model_dir or str(default_model_dir())
+
+    def gpu_env(self, devices: int | list[int]) -> dict[str, str]:
+        """``CUDA_VISIBLE_DEVICES`` for the first ``devices`` GPUs (or the listed ones)."""
+        if not self.gpus:
+            return {}
+        chosen = list(range(devices)) if isinstance(devices, int) else devices
+        if max(chosen) >= self.gpus:
+            raise RuntimeError(f"this target needs {max(chosen) + 1} GPUs; {self.gpus} visible")
+        return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, chosen))}
 
 
 def parse_targets(text: str) -> list[str]:
@@ -102,7 +120,7 @@ def core_slices(count: int) -> list[str]:
 
 def vllm_server_argv(port: int, engine: Engine) -> list[str]:
     flags = (
-        f"--model {default_model_dir()} --served-model-name {MODEL} --dtype float32"
+        f"--model {engine.model_path} --served-model-name {MODEL} --dtype {engine.dtype}"
         f" --host 127.0.0.1 --port {port}"
     )
     return [
@@ -115,9 +133,13 @@ def vllm_server_argv(port: int, engine: Engine) -> list[str]:
 
 
 def llmgate_argv(port: int, worker_base_port: int, workers: int, engine: Engine) -> list[str]:
-    # The embedded model, float32 and a 1 GiB KV cache are llmgate's defaults.
+    # The embedded model, float32 and a 1 GiB KV cache are llmgate's defaults;
+    # on GPUs it starts one worker per visible GPU (``gpu_env``).
     flags = f"--port {port} --worker-base-port {worker_base_port} --num-workers {workers}"
-    return [sys.executable, "-m", "worker.launcher", *flags.split(), *engine.flags]
+    model = ["--dtype", engine.dtype]
+    if engine.model_dir:
+        model += ["--model", engine.model_dir, "--served-model-name", MODEL]
+    return [sys.executable, "-m", "worker.launcher", *flags.split(), *model, *engine.flags]
 
 
 def router_argv(port: int, worker_urls: list[str]) -> list[str]:
@@ -151,7 +173,8 @@ def serving(target: str, engine: Engine, run_dir: Path) -> Iterator[str]:
             workers = int(target[-1])
             port, log = free_port(), run_dir / f"{target}.log"
             argv = llmgate_argv(port, free_port_range(workers), workers, engine)
-            proc = stack.enter_context(launched(target, argv, log, cwd=ROOT))
+            env = {**os.environ, **engine.gpu_env(workers)}
+            proc = stack.enter_context(launched(target, argv, log, env, ROOT))
 
             def healthy(response: httpx.Response) -> bool:
                 return response.status_code == 200 and (
@@ -163,7 +186,7 @@ def serving(target: str, engine: Engine, run_dir: Path) -> Iterator[str]:
         elif target in ("vllm-direct", "vllm-direct-default"):
             port, log = free_port(), run_dir / f"{target}.log"
             argv = vllm_server_argv(port, engine)
-            env = engine_env(vllm_default=target == "vllm-direct-default")
+            env = {**engine_env(vllm_default=target == "vllm-direct-default"), **engine.gpu_env(1)}
             proc = stack.enter_context(launched(target, argv, log, env, ROOT))
             url = f"http://127.0.0.1:{port}"
             await_ready(target, proc, log, url + "/v1/models", engine.startup_timeout)
@@ -174,7 +197,9 @@ def serving(target: str, engine: Engine, run_dir: Path) -> Iterator[str]:
                 name, port = f"{target}/vllm-{i}", free_port()
                 log = run_dir / f"{target}-vllm-{i}.log"
                 argv = vllm_server_argv(port, engine)
-                proc = stack.enter_context(launched(name, argv, log, engine_env(cpu_slice), ROOT))
+                # One server per GPU on a GPU host, else per core slice.
+                env = {**engine_env(cpu_slice), **engine.gpu_env([i])}
+                proc = stack.enter_context(launched(name, argv, log, env, ROOT))
                 servers.append((name, proc, log, f"http://127.0.0.1:{port}"))
             for name, proc, log, server_url in servers:
                 await_ready(name, proc, log, server_url + "/v1/models", engine.startup_timeout)
@@ -187,9 +212,11 @@ def serving(target: str, engine: Engine, run_dir: Path) -> Iterator[str]:
             port, log = free_port(), run_dir / f"{target}.log"
             argv = [
                 *(sys.executable, "-m", "loadtest.baselines.fastapi_batching"),
-                *("--model-dir", str(default_model_dir()), "--port", str(port)),
+                *("--model-dir", engine.model_path, "--port", str(port)),
+                *("--dtype", "auto" if engine.gpus else engine.dtype),
             ]
-            proc = stack.enter_context(launched(target, argv, log, cwd=ROOT))
+            env = {**os.environ, **engine.gpu_env(1)}
+            proc = stack.enter_context(launched(target, argv, log, env, ROOT))
             url = f"http://127.0.0.1:{port}"
             await_ready(target, proc, log, url + "/health", engine.startup_timeout)
         else:

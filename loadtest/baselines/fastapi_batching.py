@@ -132,6 +132,7 @@ class Batcher:
 
     def generate(self, batch: list[Pending], loop: asyncio.AbstractEventLoop) -> None:
         inputs = self.tokenizer([p.prompt for p in batch], return_tensors="pt", padding=True)
+        inputs = inputs.to(self.model.device)
         for pending, mask in zip(batch, inputs["attention_mask"], strict=True):
             pending.prompt_tokens = int(mask.sum())
         max_new = max(p.max_tokens for p in batch)
@@ -193,7 +194,11 @@ def create_app(args: argparse.Namespace) -> FastAPI:
     tokenizer.padding_side = "left"  # decoder-only: new tokens follow every prompt directly
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    device = resolve_device(args.device)
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model_dir, dtype=resolve_dtype(args.dtype, device)
+    )
+    model.to(device)
     model.eval()  # type: ignore[no-untyped-call]
     batcher = Batcher(model, tokenizer, args.max_batch, args.batch_timeout)
 
@@ -266,6 +271,20 @@ async def _sse(
     yield "data: [DONE]\n\n"
 
 
+def resolve_device(name: str) -> str:
+    """``auto``: the first GPU when torch sees one (a GPU host's run), else the CPU."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """``auto``: float32 on CPU (as every bench target there), bfloat16 on a GPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, name)  # type: ignore[no-any-return]
+
+
 def default_threads() -> int:
     """Every usable core: measured faster here than leaving one to the event loop."""
     return len(os.sched_getaffinity(0))
@@ -282,6 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-batch", type=int, default=50)
     parser.add_argument("--batch-timeout", type=float, default=0.1, help="seconds")
     parser.add_argument("--threads", type=int, default=default_threads())
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
     args = parser.parse_args(argv)
     uvicorn.run(create_app(args), host=args.host, port=args.port, log_level="warning")
 

@@ -324,6 +324,10 @@ def test_a_hung_worker_is_marked_down_and_rejoins(two: Served) -> None:
     victim_address = addresses[0]
     wait_healthy(two, victim_address, timeout=240)  # after the tests above restarted workers
     victim = worker_process(two, victim_address)
+    # The whole worker hangs, its engine processes too: were the engine left
+    # running, it could finish every request while the worker's loop is
+    # stopped, and the resumed worker would find nothing left to abort.
+    hung = [victim, *victim.children(recursive=True)]
     log_start = two.log_path.stat().st_size
     body = {"model": MODEL, "max_tokens": 48, "ignore_eos": True}
 
@@ -346,14 +350,16 @@ def test_a_hung_worker_is_marked_down_and_rejoins(two: Served) -> None:
             ]
             # Stop it once it runs some of them (the gateway counts them as in flight).
             await until(client, "llmgate_worker_in_flight", victim_address, lambda v: v >= 4)
-            victim.suspend()
+            for proc in hung:
+                proc.suspend()
             stopped_at = time.monotonic()
             try:
                 await until(client, "llmgate_worker_healthy", victim_address, lambda v: v == 0)
                 detected = time.monotonic() - stopped_at
                 done = await asyncio.gather(*streams), await asyncio.gather(*whole)
             finally:
-                victim.resume()
+                for proc in hung:
+                    proc.resume()
             return list(done[0]), list(done[1]), detected
 
     streams, whole, detected_s = asyncio.run(run())

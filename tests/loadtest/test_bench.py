@@ -240,3 +240,33 @@ async def test_baseline_batches_up_to_its_maximum() -> None:
     await asyncio.sleep(0.2)
     task.cancel()
     assert batches == [4, 2]
+
+
+def test_on_a_gpu_host_one_and_two_gpu_targets_get_their_devices() -> None:
+    gpu = targets.Engine(False, 60, model_dir="/models/qwen", dtype="auto", gpus=2)
+    assert gpu.gpu_env(1) == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert gpu.gpu_env(2) == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert gpu.gpu_env([1]) == {"CUDA_VISIBLE_DEVICES": "1"}
+    with pytest.raises(RuntimeError, match="needs 3 GPUs; 2 visible"):
+        gpu.gpu_env(3)
+    assert targets.Engine(False, 60).gpu_env(2) == {}  # CPU: cores, not GPUs
+
+
+def test_a_model_from_the_hosts_disk_reaches_every_server() -> None:
+    gpu = targets.Engine(False, 60, model_dir="/models/qwen", dtype="auto", gpus=2)
+    vllm = " ".join(targets.vllm_server_argv(8000, gpu))
+    assert "--model /models/qwen" in vllm and "--dtype auto" in vllm
+    assert f"--served-model-name {targets.MODEL}" in vllm
+    llmgate = " ".join(targets.llmgate_argv(8000, 5550, 2, gpu))
+    assert "--model /models/qwen" in llmgate and f"--served-model-name {targets.MODEL}" in llmgate
+    embedded = " ".join(targets.llmgate_argv(8000, 5550, 1, targets.Engine(True, 60)))
+    assert "--model" not in embedded.replace("--model-", "") and "--dtype float32" in embedded
+
+
+def test_the_gpu_scripts_bench_flags_parse() -> None:
+    script = (Path(bench.__file__).parent / "gpu_bench.sh").read_text()
+    assert "--no-enforce-eager" in script and "--dtype auto" in script
+    args = bench.build_parser().parse_args(
+        ["--targets", "all", "--long", "--no-enforce-eager", "--model", "/m", "--dtype", "auto"]
+    )
+    assert (args.model, args.dtype, args.enforce_eager, args.long) == ("/m", "auto", False, True)

@@ -30,6 +30,7 @@ def test_summary_of_turns() -> None:
     assert result.mean_ttft_ms == pytest.approx(300)
     assert result.mean_ttft_later_turns_ms == pytest.approx(200)
     assert result.output_tokens_per_s == pytest.approx(16)
+    assert result.mean_ttft_by_turn_ms == [pytest.approx(400), pytest.approx(200)]
     assert "| prefix | 300 |" in multiturn.format_table([result])
 
 
