@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import csv
 import json
 import random
 import sys
@@ -43,7 +42,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest import targets
 from loadtest.closed_loop import percentile
-from loadtest.procs import await_ready, free_port, launched, vllm_version
+from loadtest.procs import await_ready, free_port, healthy_workers, launched, vllm_version
+from loadtest.report import write_json_and_csv
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_ROOT = ROOT / "loadtest" / "results"
@@ -237,7 +237,7 @@ def gateway(policy: str, addresses: list[str], run_dir: Path) -> Any:
             log,
             url + "/ready",
             60.0,
-            lambda r: r.status_code == 200 and r.json()["healthy_workers"] >= len(addresses),
+            healthy_workers(len(addresses)),
         )
         yield url
 
@@ -356,11 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": [asdict(r) for r in results],
         "verdict": verdict(results),
     }
-    (run_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")
-    with (run_dir / "results.csv").open("w", newline="") as out:
-        writer = csv.DictWriter(out, fieldnames=list(asdict(results[0])))
-        writer.writeheader()
-        writer.writerows(asdict(r) for r in results)
+    write_json_and_csv(run_dir, document, results)
     print()
     print(title)
     print(format_table(results))

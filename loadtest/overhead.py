@@ -70,7 +70,7 @@ from typing import Any
 import httpx
 import psutil
 
-from loadtest.procs import await_ready, free_port, launched
+from loadtest.procs import await_ready, free_port, healthy_workers, launched
 from shared.settings import DEFAULT_MODEL_NAME
 from worker.fake_engine import TOKEN_TEXT
 
@@ -734,7 +734,7 @@ def start_targets(
             log,
             f"{url}/ready",
             STARTUP_TIMEOUT,
-            lambda r: r.status_code == 200 and r.json()["healthy_workers"] >= 1,
+            healthy_workers(1),
         )
         targets["llmgate"] = Target("llmgate", url, worker.pid, gateway.pid)
     return targets

@@ -85,6 +85,15 @@ def answers_200(response: httpx.Response) -> bool:
     return response.status_code == 200
 
 
+def healthy_workers(count: int) -> ReadyCheck:
+    """A gateway's ``/ready`` check: it answers and reports ``count`` healthy workers or more."""
+
+    def check(response: httpx.Response) -> bool:
+        return response.status_code == 200 and response.json()["healthy_workers"] >= count
+
+    return check
+
+
 def wait_ready(
     url: str,
     timeout: float,

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
-import json
 import os
 import shutil
 import sys
@@ -50,7 +48,8 @@ from loadtest.overhead import (
     run_wrk,
     wrk_script,
 )
-from loadtest.procs import await_ready, free_port, launched
+from loadtest.procs import await_ready, free_port, healthy_workers, launched
+from loadtest.report import write_json_and_csv
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_ROOT = ROOT / "loadtest" / "results"
@@ -131,7 +130,7 @@ def start_layout(
         log,
         f"{url}/ready",
         STARTUP_TIMEOUT,
-        lambda r: r.status_code == 200 and r.json()["healthy_workers"] >= layout.workers,
+        healthy_workers(layout.workers),
     )
     return Target(name, url, worker_pids[0], gateway.pid), worker_pids
 
@@ -295,11 +294,7 @@ def main(argv: list[str] | None = None) -> None:
         "rows": [asdict(r) for r in rows],
         "saturation": saturation(rows),
     }
-    (out_dir / "results.json").write_text(json.dumps(report, indent=2) + "\n")
-    with (out_dir / "results.csv").open("w", newline="") as out:
-        writer = csv.DictWriter(out, fieldnames=list(asdict(rows[0])))
-        writer.writeheader()
-        writer.writerows(asdict(r) for r in rows)
+    write_json_and_csv(out_dir, report, rows)
     print()
     print(
         f"{len(cores)} cores; paced: {args.slots} streams per worker, a token every "

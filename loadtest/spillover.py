@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from loadtest.procs import await_ready, free_port, free_port_range, launched
+from loadtest.procs import await_ready, free_port, free_port_range, healthy_workers, launched
 from shared import config as pools_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,7 +96,7 @@ def measure(
             log_path,
             f"{url}/ready",
             STARTUP_TIMEOUT_S,
-            check=lambda r: r.status_code == 200 and r.json()["healthy_workers"] >= 2,
+            check=healthy_workers(2),
         )
         asyncio.run(burst(url, "fast", 2, 4))  # warm-up, not counted
         asyncio.run(burst(url, "accurate", 2, 4))

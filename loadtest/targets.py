@@ -29,9 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
-from loadtest.procs import await_ready, free_port, free_port_range, launched
+from loadtest.procs import await_ready, free_port, free_port_range, healthy_workers, launched
 from worker.embedded_model import SERVED_MODEL_NAME, default_model_dir
 from worker.launcher import cpu_slices
 
@@ -175,14 +173,9 @@ def serving(target: str, engine: Engine, run_dir: Path) -> Iterator[str]:
             argv = llmgate_argv(port, free_port_range(workers), workers, engine)
             env = {**os.environ, **engine.gpu_env(workers)}
             proc = stack.enter_context(launched(target, argv, log, env, ROOT))
-
-            def healthy(response: httpx.Response) -> bool:
-                return response.status_code == 200 and (
-                    response.json()["healthy_workers"] >= workers
-                )
-
             url = f"http://127.0.0.1:{port}"
-            await_ready(target, proc, log, url + "/ready", engine.startup_timeout, healthy)
+            check = healthy_workers(workers)
+            await_ready(target, proc, log, url + "/ready", engine.startup_timeout, check)
         elif target in ("vllm-direct", "vllm-direct-default"):
             port, log = free_port(), run_dir / f"{target}.log"
             argv = vllm_server_argv(port, engine)
