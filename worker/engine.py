@@ -362,7 +362,7 @@ class Engine:
     def _with_spans(self, params: dict[str, Any]) -> dict[str, Any]:
         """Span extraction (``worker.spans``) applies on vLLM's path too; prompting
         inside keys needs our output path, so it is refused there."""
-        kind = SPAN_KINDS.get(str(params.get("path")))
+        kind = GENERATION_ROUTES.get(str(params.get("path")))
         body = params.get("body")
         if kind is None or not isinstance(body, dict):
             return params
@@ -380,7 +380,7 @@ class Engine:
         """This worker's --max-input-tokens / --max-total-tokens hold on vLLM's
         path too: the prompt is measured as on ours (400 over a limit), and an
         unset max_tokens becomes what the total limit leaves, as on ours."""
-        kind = SPAN_KINDS.get(str(params.get("path")))
+        kind = GENERATION_ROUTES.get(str(params.get("path")))
         body = params.get("body")
         limits = self.limits
         if kind is None or not isinstance(body, dict):
@@ -525,8 +525,9 @@ def _lora_requests(modules: list[Any] | None) -> dict[str, Any]:
     }
 
 
-# The routes of vLLM's server whose bodies span extraction reads.
-SPAN_KINDS: dict[str, protocol.RequestKind] = {
+# vLLM's routes that take a completion or chat body (and which of ours each
+# is): span extraction and the token limits read these bodies on vLLM's path.
+GENERATION_ROUTES: dict[str, protocol.RequestKind] = {
     "/v1/completions": "completion",
     "/v1/chat/completions": "chat",
 }
