@@ -10,7 +10,10 @@ each hold a conversation of ``--turns`` turns: a long system prompt shared
 by all, then their own user messages (``--user-words`` words each, their
 own text), each answered with ``--max-tokens`` tokens (greedy, ``ignore_eos``)
 that join the history before the next turn. A user sends its next turn as
-soon as the last answer ends (closed loop).
+soon as the last answer ends (closed loop), or with ``--think-time S`` after
+a pause of S seconds on average (exponential, the same pauses under every
+policy), as people read and type: then a worker's slot freed by a user's
+last answer is no longer what draws its next turn back.
 
 Each policy's run starts every text with its own tag, so nothing one run
 put in a worker's prefix cache helps the next. Reported per policy: mean and
@@ -111,7 +114,11 @@ async def conversation(
     ]
     turns: list[Turn] = []
     workers: list[str] = []
+    # The same pauses under every policy: a user reads, then types.
+    thinking = random.Random(f"think-{user}")
     for turn in range(1, args.turns + 1):
+        if args.think_time > 0:
+            await asyncio.sleep(thinking.expovariate(1 / args.think_time))
         messages.append({"role": "user", "content": user_message(tag, user, turn, args.user_words)})
         body = {
             "model": targets.MODEL,
@@ -289,6 +296,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--system-words", type=int, default=150, help="shared system prompt")
     parser.add_argument("--user-words", type=int, default=120, help="words per user turn")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per answer")
+    parser.add_argument(
+        "--think-time",
+        type=float,
+        default=0.0,
+        help="mean seconds a user pauses before each turn (exponential); 0: closed loop",
+    )
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     return parser

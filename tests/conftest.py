@@ -142,8 +142,20 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     metrics_port = free_port()
     # TGI-style limits on the session's worker (tests/integration/test_api_surface.py).
     limits = {"LLMGATE_MAX_INPUT_TOKENS": "4000", "LLMGATE_MAX_TOTAL_TOKENS": "6000"}
+    # Unlike llmgate serve's default (every core), the session's engine keeps
+    # the last core for the other engines the suite starts beside it (vLLM's
+    # server in the parity test, the two-worker system): with all three
+    # computing on every core, each step waits on the others' threads. This
+    # also shows the environment winning over the default
+    # (tests/integration/test_cpu_layout.py); the default itself is checked
+    # on a system of its own (tests/integration/test_launcher_processes.py).
+    engine = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
     running = start_serve(
-        log_path, "--worker-metrics-port", str(metrics_port), *TOOL_FLAGS, env=limits
+        log_path,
+        "--worker-metrics-port",
+        str(metrics_port),
+        *TOOL_FLAGS,
+        env={**limits, **engine},
     )
     running.worker_metrics_port = metrics_port
     try:

@@ -6,6 +6,7 @@ does not disturb the session's shared one.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ import psutil
 import pytest
 
 from tests.conftest import MODEL, start_serve, stop_serve
+from tests.integration.test_cpu_layout import vllm_binding
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +43,14 @@ def complete(base_url: str, timeout: float = 60) -> httpx.Response:
 def test_crashed_worker_is_restarted_and_stop_leaves_no_process(tmp_path: Path) -> None:
     served = start_serve(tmp_path / "serve.log")
     try:
+        # The CPU default: one worker computing on every core, none held back
+        # for vLLM's front end; the launcher logs it and vLLM's engine takes it.
+        cores = sorted(os.sched_getaffinity(0))
+        served.wait_for_log(
+            f"CPU layout, {len(cores)} usable cores: worker-0 on cores all {len(cores)} "
+            "(reserved for its front end: 0)"
+        )
+        assert vllm_binding(served.wait_for_log("reserve_cpu_num=0")) == cores
         launcher = psutil.Process(served.proc.pid)
         roles = children_by_role(launcher.pid)
         # One gateway and one worker; the worker runs vLLM's engine core below it.

@@ -148,7 +148,9 @@ def coalesce(events: list[Any]) -> list[Any]:
 
 
 def _output_chunk(event: Any) -> bool:
-    if not isinstance(event, dict) or event.get("usage") or len(event.get("choices") or []) != 1:
+    # With continuous_usage_stats every output chunk carries the usage so far:
+    # joined, the later (cumulative) one stands, as if the chunks had come as one.
+    if not isinstance(event, dict) or len(event.get("choices") or []) != 1:
         return False
     delta = event["choices"][0].get("delta")
     return not (isinstance(delta, dict) and "role" in delta)
