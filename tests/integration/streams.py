@@ -59,9 +59,13 @@ class Stream:
         self.most_tokens_in_a_chunk = max(self.most_tokens_in_a_chunk, len(tokens))
         joined = "".join(t for t in tokens if not _special(t))
         # A token that is part of a character (one byte of "é") is named "\ufffd"
-        # on its own, and vLLM holds the text back until the character is
-        # whole: such a chunk's text is not its tokens' (sampled text has them).
-        if "\ufffd" not in joined and choice["text"] != joined:
+        # or "" on its own, and vLLM holds the text back until the character is
+        # whole; when the next token does not complete it, vLLM releases the
+        # bytes as "\ufffd" in front of that token's text. Such a chunk's text
+        # is not its tokens' names joined (sampled text has them); every other
+        # chunk's must be.
+        split_character = "\ufffd" in joined + choice["text"] or "" in tokens
+        if not split_character and choice["text"] != joined:
             self.mismatched.append(choice)
 
     def whole(self, expected_tokens: int) -> bool:
