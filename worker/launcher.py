@@ -129,20 +129,25 @@ def plan_workers(serve: settings.ServeSettings, engine_args: list[str]) -> list[
     cores = sorted(os.sched_getaffinity(0))
     slices = cpu_slices(serve.num_workers, cores) if serve.num_workers > 1 else [""]
     for i, cpu_slice in enumerate(slices):
-        env = dict(base_env)
-        if cpu_slice:
-            # Each worker computes on its own cores, with no core held back
-            # for vLLM's front end (it would be taken from the other worker).
-            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_slice
-        # No core held back for vLLM's front end either when one worker has
-        # them all: vLLM's default reserves one, which on a 2-core machine
-        # leaves half of it idle; the front end's and the gateway's share is
-        # small (measured in docs/benchmarks.md: 278 against 154 output
-        # tokens/s on 2 cores). The environment still wins.
-        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        children.append(_worker_child(i, serve, engine_args, env))
+        children.append(_worker_child(i, serve, engine_args, cpu_worker_env(base_env, cpu_slice)))
     log.info("%s", describe_cpu_layout(children, cores))
     return children
+
+
+def cpu_worker_env(base_env: dict[str, str], cpu_slice: str) -> dict[str, str]:
+    """The environment of a CPU worker computing on ``cpu_slice`` ("" = every usable core)."""
+    env = dict(base_env)
+    if cpu_slice:
+        # Each worker computes on its own cores, with no core held back for
+        # vLLM's front end (it would be taken from another worker).
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_slice
+    # No core held back for vLLM's front end either when one worker has them
+    # all: vLLM's default reserves one, which on a 2-core machine leaves half
+    # of it idle; the front end's and the gateway's share is small (measured
+    # in docs/benchmarks.md: 278 against 154 output tokens/s on 2 cores). The
+    # environment still wins.
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    return env
 
 
 def describe_cpu_layout(children: list[Child], cores: list[int]) -> str:
@@ -178,20 +183,18 @@ def plan_pool_workers(
     children: list[Child] = []
     for pool in config.pools:
         for devices in pool.devices or [next(undeclared) for _ in range(pool.workers)]:
-            env = dict(os.environ)
             if gpus:
-                env["CUDA_VISIBLE_DEVICES"] = devices
-            elif devices:
-                # Pinned to its own cores, none held back for vLLM's front end
-                # (it would be taken from another worker).
-                env["VLLM_CPU_OMP_THREADS_BIND"] = devices
-                env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+                env = dict(os.environ, CUDA_VISIBLE_DEVICES=devices)
+            else:
+                env = cpu_worker_env(dict(os.environ), devices)
             args = [*engine_args, "--served-model-name", pool.model_name, *pool.engine_args]
             if pool.model:
                 args += ["--model", pool.model]
             child = _worker_child(len(children), serve, args, env, pool=pool.name)
             child.name = f"{pool.name}-{child.name}"
             children.append(child)
+    if not gpus:
+        log.info("%s", describe_cpu_layout(children, cores))
     return children
 
 

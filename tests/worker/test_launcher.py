@@ -106,6 +106,26 @@ def test_pools_get_their_models_flags_and_names(monkeypatch: pytest.MonkeyPatch)
     assert binds == [f"tcp://127.0.0.1:{5550 + i}" for i in range(3)]
 
 
+def test_a_lone_unpinned_pool_worker_computes_on_every_core(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The pools' planner gives a CPU worker the same default as ``plan_workers``."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda _pid: {0, 1})
+    with caplog.at_level("INFO", logger="llmgate.launcher"):
+        (child,) = launcher.plan_pool_workers(
+            ServeSettings(), config.parse("pools:\n  - {name: only}\n"), []
+        )
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in child.env
+    assert child.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert (
+        "CPU layout, 2 usable cores: only-worker-0 on cores all 2 (reserved for its front end: 0)"
+        in caplog.text
+    )
+
+
 def test_pool_devices_are_gpu_ids_on_a_gpu_box(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
     children = launcher.plan_pool_workers(ServeSettings(), config.parse(POOLS), [])
