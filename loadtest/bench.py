@@ -58,7 +58,7 @@ from typing import Any
 
 import httpx
 
-from loadtest import targets
+from loadtest import cpu_use, targets
 from loadtest.closed_loop import Sample, Stats, completion_payload, http_completion, run_closed_loop
 from loadtest.closed_loop import summarize as summarize_samples
 from loadtest.procs import launched, log_tail, vllm_version
@@ -83,8 +83,8 @@ async def load_http(target: str, base_url: str, args: argparse.Namespace) -> Sta
             await http_completion(client, payload, sample)
 
         print(_load_line(target, args), flush=True)
-        samples, start, end = await run_closed_loop(send, args.users, args.warmup, args.duration)
-    return summarize_samples(target, samples, start, end)
+        run = await run_closed_loop(send, args.users, args.warmup, args.duration)
+    return summarize_samples(target, *run.window(), run.cpu_cores)
 
 
 def _load_line(target: str, args: argparse.Namespace) -> str:
@@ -165,6 +165,13 @@ def format_table(results: list[Stats]) -> str:
             cells.append("-".rjust(width) if value is None else fmt.format(value))
         lines.append(" ".join(cells))
     lines += [f"{name} (tok/s): {value:.2f}x" for name, value in ratios(results).items()]
+    # Where the cores went (loadtest.cpu_use); for vllm-inprocess the bench
+    # client is also vLLM's front end.
+    lines += [
+        f"{r.target} cores used: {cpu_use.format_cores(r.cpu_cores)}"
+        for r in results
+        if r.cpu_cores
+    ]
     return "\n".join(lines)
 
 

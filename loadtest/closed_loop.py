@@ -25,6 +25,8 @@ from typing import Any
 
 import httpx
 
+from loadtest import cpu_use
+
 
 @dataclass
 class Sample:
@@ -63,6 +65,8 @@ class Stats:
     errors: int
     measured_s: float
     error_kinds: dict[str, int] = field(default_factory=dict)
+    # Mean cores each kind of process used in the window (loadtest.cpu_use).
+    cpu_cores: dict[str, float] = field(default_factory=dict)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -84,7 +88,13 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else value * 1000
 
 
-def summarize(target: str, samples: list[Sample], window_start: float, window_end: float) -> Stats:
+def summarize(
+    target: str,
+    samples: list[Sample],
+    window_start: float,
+    window_end: float,
+    cpu_cores: dict[str, float] | None = None,
+) -> Stats:
     """Throughput and latency inside the window ``[window_start, window_end]``.
 
     Requests and latencies are those of requests that *ended* in the window.
@@ -113,6 +123,7 @@ def summarize(target: str, samples: list[Sample], window_start: float, window_en
         errors=sum(errors.values()),
         measured_s=measured_s,
         error_kinds={str(k): v for k, v in errors.items()},
+        cpu_cores=cpu_cores or {},
     )
 
 
@@ -137,18 +148,33 @@ def tokens_in_window(
     return total
 
 
+@dataclass
+class LoadRun:
+    """What :func:`run_closed_loop` returns: every sample and the window's bounds
+    (for :func:`summarize`), and the cores each kind of process used in the
+    window (``loadtest.cpu_use``)."""
+
+    samples: list[Sample]
+    window_start: float
+    window_end: float
+    cpu_cores: dict[str, float] = field(default_factory=dict)
+
+    def window(self) -> tuple[list[Sample], float, float]:
+        """The arguments :func:`summarize` takes after the target's name."""
+        return self.samples, self.window_start, self.window_end
+
+
 async def run_closed_loop(
     send: Callable[[Sample], Awaitable[None]],
     users: int,
     warmup: float,
     duration: float,
-) -> tuple[list[Sample], float, float]:
+) -> LoadRun:
     """``users`` loops of ``send`` for ``warmup + duration`` seconds.
 
     ``send`` fills in the :class:`Sample` it is given (``end`` last), so a
     request still running when the window closes keeps the tokens it got.
     Those requests are cancelled then (the server sees a client go away).
-    Returns every sample and the window's bounds, for :func:`summarize`.
     """
     start = time.perf_counter()
     window_start = start + warmup
@@ -162,11 +188,14 @@ async def run_closed_loop(
             await send(sample)
 
     tasks = [asyncio.create_task(user()) for _ in range(users)]
-    await asyncio.wait(tasks, timeout=deadline - start)
+    await asyncio.wait(tasks, timeout=window_start - start)
+    before = cpu_use.snapshot()
+    await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter()))
+    after = cpu_use.snapshot()
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    return samples, window_start, deadline
+    return LoadRun(samples, window_start, deadline, cpu_use.cores_by_kind(before, after, duration))
 
 
 def completion_payload(model: str, prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:

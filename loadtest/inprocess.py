@@ -69,10 +69,10 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             f"[{TARGET}] {args.users} users: {args.warmup:g}s warmup + {args.duration:g}s measured",
             flush=True,
         )
-        samples, start, end = await run_closed_loop(send, args.users, args.warmup, args.duration)
+        run = await run_closed_loop(send, args.users, args.warmup, args.duration)
     finally:
         llm.shutdown()
-    return asdict(summarize(TARGET, samples, start, end))
+    return asdict(summarize(TARGET, *run.window(), run.cpu_cores))
 
 
 def main(argv: list[str] | None = None) -> None:

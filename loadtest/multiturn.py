@@ -15,6 +15,13 @@ a pause of S seconds on average (exponential, the same pauses under every
 policy), as people read and type: then a worker's slot freed by a user's
 last answer is no longer what draws its next turn back.
 
+By default every user starts at once. With ``--arrival-rate R`` the
+conversations arrive instead as a Poisson process of R a second (the same
+arrival times under every policy), as on a public endpoint: the offered load
+is then the same under every policy, and what a policy saves shows as
+shorter waits rather than as more requests a second. Compare the policies
+at a rate every one of them keeps up with (the requests/s column equal).
+
 Each policy's run starts every text with its own tag, so nothing one run
 put in a worker's prefix cache helps the next. Reported per policy: mean and
 p99 TTFT over all turns (and over turns 2+, where the history exists), mean
@@ -105,10 +112,27 @@ def user_message(tag: str, user: int, turn: int, words: int) -> str:
     return f"[{tag}] Player {user}, round {turn}: " + text(rng, words)
 
 
+def arrival_offsets(users: int, rate: float) -> list[float]:
+    """When each conversation starts, in seconds from the run's start.
+
+    0 for all with no rate (everyone at once); else a Poisson process of
+    ``rate`` a second, the same for every policy (a fixed seed).
+    """
+    if rate <= 0:
+        return [0.0] * users
+    rng = random.Random("arrivals")
+    offsets, at = [], 0.0
+    for _ in range(users):
+        offsets.append(at)
+        at += rng.expovariate(rate)
+    return offsets
+
+
 async def conversation(
-    client: httpx.AsyncClient, args: argparse.Namespace, tag: str, user: int
+    client: httpx.AsyncClient, args: argparse.Namespace, tag: str, user: int, start_at: float
 ) -> tuple[list[Turn], list[str]]:
-    """One user's turns; also which worker answered each."""
+    """One user's turns, from ``start_at`` seconds on; also which worker answered each."""
+    await asyncio.sleep(start_at)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": system_prompt(tag, args.system_words)}
     ]
@@ -168,9 +192,10 @@ async def run_policy(
 ) -> tuple[list[Turn], float, dict[str, int]]:
     limits = httpx.Limits(max_connections=args.users, max_keepalive_connections=args.users)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
+        offsets = arrival_offsets(args.users, args.arrival_rate)
         started = time.perf_counter()
         done = await asyncio.gather(
-            *(conversation(client, args, tag, user) for user in range(args.users))
+            *(conversation(client, args, tag, user, offsets[user]) for user in range(args.users))
         )
         seconds = time.perf_counter() - started
     turns = [t for user_turns, _ in done for t in user_turns]
@@ -291,7 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Multi-turn chat over two workers under each routing policy.",
     )
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated")
-    parser.add_argument("--users", type=int, default=8, help="conversations at once")
+    parser.add_argument(
+        "--users", type=int, default=8, help="conversations (at once, or over the arrivals)"
+    )
     parser.add_argument("--turns", type=int, default=8, help="turns per conversation")
     parser.add_argument("--system-words", type=int, default=150, help="shared system prompt")
     parser.add_argument("--user-words", type=int, default=120, help="words per user turn")
@@ -301,6 +328,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         help="mean seconds a user pauses before each turn (exponential); 0: closed loop",
+    )
+    parser.add_argument(
+        "--arrival-rate",
+        type=float,
+        default=0.0,
+        help="new conversations a second (Poisson, the same times under every policy); "
+        "0: every user starts at once",
     )
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--startup-timeout", type=float, default=600.0)
@@ -342,7 +376,9 @@ def main(argv: list[str] | None = None) -> int:
         for n, policy in enumerate(policies):
             with gateway(policy, addresses, run_dir) as url:
                 if n == 0:  # the engines' first requests are slow: not counted
-                    warm = argparse.Namespace(**{**vars(args), "turns": 1})
+                    warm = argparse.Namespace(
+                        **{**vars(args), "turns": 1, "arrival_rate": 0.0, "think_time": 0.0}
+                    )
                     asyncio.run(run_policy(url, warm, "warm-up"))
                 before = [prefix_counters(u) for u in metrics_urls]
                 print(f"[{policy}] {args.users} users x {args.turns} turns", flush=True)
@@ -360,7 +396,13 @@ def main(argv: list[str] | None = None) -> int:
     title = (
         f"{started:%Y-%m-%d %H:%M} UTC, 2 workers, vLLM {vllm_version()}, {targets.MODEL}, "
         f"{args.users} users x {args.turns} turns, system prompt {args.system_words} words, "
-        f"user turns {args.user_words} words, {args.max_tokens} tokens per answer"
+        f"user turns {args.user_words} words, {args.max_tokens} tokens per answer, "
+        + (
+            f"{args.arrival_rate:g} new conversations/s (Poisson)"
+            if args.arrival_rate > 0
+            else "all users at once"
+        )
+        + (f", {args.think_time:g} s mean think time" if args.think_time > 0 else "")
     )
     document = {
         "date": started.isoformat(),

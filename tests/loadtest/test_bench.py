@@ -99,12 +99,15 @@ async def test_closed_loop_keeps_only_requests_that_end_inside_the_window() -> N
         finally:
             in_flight -= 1
 
-    samples, start, end = await run_closed_loop(send, users=3, warmup=0.05, duration=0.2)
+    run = await run_closed_loop(send, users=3, warmup=0.05, duration=0.2)
+    samples, start, end = run.window()
     assert most_in_flight == 3  # each user waits for its answer before sending again
     assert end - start == pytest.approx(0.2)
     assert in_flight == 0  # cancelled at the window's end, not left running
     assert loop.time() - started < 0.5
-    result = summarize("t", samples, start, end)
+    result = summarize("t", samples, start, end, run.cpu_cores)
+    # This process sent the load; the machine's idle cores are counted too.
+    assert "bench client" in result.cpu_cores and "idle" in result.cpu_cores
     # 3 users x (0.2 s / 0.02 s) = about 30 requests in the window, none from the warmup.
     assert 15 <= result.ok <= 33 and result.ok < len(samples)
 

@@ -51,3 +51,14 @@ def test_prefix_counters_are_read_from_vllms_metrics(monkeypatch: pytest.MonkeyP
     )
     monkeypatch.setattr(multiturn.httpx, "get", lambda *_a, **_k: httpx.Response(200, text=page))
     assert multiturn.prefix_counters("http://worker/metrics") == (1000.0, 250.0)
+
+
+def test_arrivals_are_all_at_once_without_a_rate_and_a_fixed_poisson_process_with_one() -> None:
+    assert multiturn.arrival_offsets(3, 0) == [0.0, 0.0, 0.0]
+    offsets = multiturn.arrival_offsets(400, 0.5)
+    # The same times under every policy (and every run), in order, starting at once.
+    assert offsets == multiturn.arrival_offsets(400, 0.5)
+    assert offsets[0] == 0.0 and offsets == sorted(offsets)
+    # Mean gap 1/rate = 2 s (400 gaps: within 20% for any honest exponential draw).
+    mean_gap = offsets[-1] / (len(offsets) - 1)
+    assert 1.6 < mean_gap < 2.4

@@ -1,0 +1,79 @@
+"""Where the machine's cores went during a measured window, by kind of process.
+
+A bench target's throughput is the engine's share of the cores: on a small
+CPU machine every other process that runs (the load generator, an HTTP
+server, a gateway, a worker's front end) takes time from the engine's
+compute threads. Two snapshots of every process's CPU seconds, at the
+window's start and end, say how many cores each kind used on average, and
+how many sat idle; ``make bench`` prints them under its table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import psutil
+
+# (kind, substrings of a process's title or command line), first match wins.
+# vLLM names its engine processes with setproctitle ("VLLM::EngineCore").
+KINDS = (
+    ("vLLM engine core", ("EngineCore",)),
+    ("llmgate worker", ("worker.main", "worker.fake_engine")),
+    ("llmgate gateway", ("gateway.main",)),
+    ("llmgate launcher", ("worker.launcher", "llmgate serve")),
+    ("vLLM API server", ("vllm.entrypoints", "APIServer")),
+    ("vllm-router", ("vllm-router", "vllm_router")),
+    ("fastapi baseline", ("fastapi_batching",)),
+)
+CLIENT = "bench client"
+OTHER = "other processes"
+IDLE = "idle"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    # pid -> (kind, CPU seconds so far: user + system, all its threads)
+    processes: dict[int, tuple[str, float]]
+    idle_s: float
+
+
+def kind_of(title: str, client_pid: int, pid: int) -> str:
+    if pid == client_pid:
+        return CLIENT
+    for kind, marks in KINDS:
+        if any(mark in title for mark in marks):
+            return kind
+    return OTHER
+
+
+def snapshot(client_pid: int | None = None) -> Snapshot:
+    """Every process's CPU seconds now, with its kind; and the machine's idle seconds."""
+    client_pid = os.getpid() if client_pid is None else client_pid
+    processes: dict[int, tuple[str, float]] = {}
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            title = f"{proc.info['name'] or ''} {' '.join(proc.info['cmdline'] or ())}"
+            times = proc.cpu_times()
+            processes[proc.pid] = (kind_of(title, client_pid, proc.pid), times.user + times.system)
+    return Snapshot(processes, psutil.cpu_times().idle)
+
+
+def cores_by_kind(before: Snapshot, after: Snapshot, seconds: float) -> dict[str, float]:
+    """Mean cores each kind of process used between two snapshots, and idle ones.
+
+    A process that started in between counts from zero; one that ended is
+    left out (its last seconds cannot be read).
+    """
+    used: dict[str, float] = {}
+    for pid, (kind, cpu_s) in after.processes.items():
+        start = before.processes.get(pid, (kind, 0.0))[1]
+        used[kind] = used.get(kind, 0.0) + max(0.0, cpu_s - start)
+    cores = {kind: round(s / seconds, 3) for kind, s in used.items()}
+    cores[IDLE] = round(max(0.0, after.idle_s - before.idle_s) / seconds, 3)
+    return dict(sorted(cores.items(), key=lambda item: -item[1]))
+
+
+def format_cores(cores: dict[str, float]) -> str:
+    return ", ".join(f"{kind} {value:.2f}" for kind, value in cores.items())
