@@ -15,6 +15,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable, Collection
@@ -71,7 +72,9 @@ class Pool:
         # started or ended: the batch runner takes fewer slots while
         # interactive traffic is about.
         self.interactive_in_flight = 0
-        self.last_interactive = 0.0
+        # Never yet: infinitely long ago (not the monotonic clock's zero, which
+        # is this machine's boot, minutes ago on a new one).
+        self.last_interactive = -math.inf
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle ---------------------------------------------------------
