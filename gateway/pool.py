@@ -45,7 +45,9 @@ class Pool:
         models: Models | None = None,
     ) -> None:
         self.settings = settings
-        self.policy = policy or make_policy(settings.policy, settings.prefix_load_factor)
+        self.policy = policy or make_policy(
+            settings.policy, settings.prefix_load_factor, settings.prefix_load_slack
+        )
         # Model names, aliases, auto, pools and tiers (--config).
         self.names = models if models is not None else Models.from_file(settings.config)
         self.gateway_id = f"gw-{uuid.uuid4().hex[:12]}"

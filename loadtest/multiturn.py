@@ -6,21 +6,24 @@ Two real workers (the embedded model, each pinned to its own core slice as
 ``llmgate serve --num-workers 2`` pins them) start once; then, for each
 policy in turn (``prefix``, ``least-load``, ``round-robin``), a gateway with
 that ``--policy`` starts in front of them and ``--users`` simulated users
-each hold a conversation of ``--turns`` turns: a long system prompt shared
-by all, then their own user messages (``--user-words`` words each, their
-own text), each answered with ``--max-tokens`` tokens (greedy, ``ignore_eos``)
-that join the history before the next turn. A user sends its next turn as
-soon as the last answer ends (closed loop), or with ``--think-time S`` after
-a pause of S seconds on average (exponential, the same pauses under every
-policy), as people read and type: then a worker's slot freed by a user's
-last answer is no longer what draws its next turn back.
+(16) each hold a conversation of ``--turns`` (8) turns: a system prompt
+shared by all (``--system-words``, 150), then their own user messages
+(``--user-words``, 50 words each, their own text), each answered with
+``--max-tokens`` (64) tokens (greedy, ``ignore_eos``) that join the history
+before the next turn; short questions and longer answers, as in real chats
+(LMSYS-Chat-1M averages about 70 prompt and 215 answer tokens a turn).
 
-By default every user starts at once. With ``--arrival-rate R`` the
-conversations arrive instead as a Poisson process of R a second (the same
-arrival times under every policy), as on a public endpoint: the offered load
-is then the same under every policy, and what a policy saves shows as
-shorter waits rather than as more requests a second. Compare the policies
-at a rate every one of them keeps up with (the requests/s column equal).
+The conversations arrive as a Poisson process of ``--arrival-rate`` (0.1) a
+second, the same arrival times under every policy, as on a public
+endpoint: the offered load is then the same under every policy, and what a
+policy saves shows as shorter waits rather than as more requests a second
+(compare at a rate every policy keeps up with: the requests/s column
+equal). A user sends each next turn after ``--think-time`` (4) seconds on
+average (exponential, the same pauses under every policy), as people read
+and type. ``--arrival-rate 0 --think-time 0`` is a closed loop instead:
+every user starts at once and sends its next turn as soon as the last
+answer ends; there a worker's slot freed by a user's last answer is what
+draws its next turn back, so any load-aware policy looks like affinity.
 
 Each policy's run starts every text with its own tag, so nothing one run
 put in a worker's prefix cache helps the next. Reported per policy: mean and
@@ -317,22 +320,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated")
     parser.add_argument(
-        "--users", type=int, default=8, help="conversations (at once, or over the arrivals)"
+        "--users", type=int, default=16, help="conversations (over the arrivals, or at once)"
     )
     parser.add_argument("--turns", type=int, default=8, help="turns per conversation")
     parser.add_argument("--system-words", type=int, default=150, help="shared system prompt")
-    parser.add_argument("--user-words", type=int, default=120, help="words per user turn")
-    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per answer")
+    parser.add_argument("--user-words", type=int, default=50, help="words per user turn")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per answer")
     parser.add_argument(
         "--think-time",
         type=float,
-        default=0.0,
-        help="mean seconds a user pauses before each turn (exponential); 0: closed loop",
+        default=4.0,
+        help="mean seconds a user pauses before each turn (exponential); 0: none",
     )
     parser.add_argument(
         "--arrival-rate",
         type=float,
-        default=0.0,
+        default=0.1,
         help="new conversations a second (Poisson, the same times under every policy); "
         "0: every user starts at once",
     )

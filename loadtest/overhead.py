@@ -30,8 +30,9 @@ cores the proxies get core 1 to themselves, wrk and the backends share core
 0). Streamed tokens are counted as finished requests times their tokens:
 wrk counts a response only once its body has ended, and each target's
 answer is checked token for token before it is loaded. ``--profile`` adds
-one py-spy-sampled run of the gateway per scenario (not counted) and prints
-where its time goes.
+one py-spy-sampled run of the gateway per scenario (not counted), the worker
+around the fake engine sampled at the same time, and prints where their
+time goes.
 
 Run it (``make bench-overhead`` installs Debian's ``wrk`` when it is missing)::
 
@@ -789,54 +790,63 @@ def profile_gateway(
     plan: CorePlan,
     out_dir: Path,
 ) -> dict[str, Any]:
-    """One extra run per loaded scenario with py-spy sampling the gateway (not counted)."""
+    """One extra run per loaded scenario with py-spy sampling the gateway and
+    the worker around the fake engine at once (not counted)."""
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(py_spy).exists():
         print("py-spy not found (`.venv/bin/pip install py-spy`): no profile", flush=True)
         return {}
     assert target.proxy_pid is not None
+    sampled = {"gateway": target.proxy_pid, "worker": target.backend_pid}
     profiles: dict[str, Any] = {}
     for scenario in chosen:
-        raw = out_dir / f"profile-gateway-{scenario.name}.txt"
-        spy = subprocess.Popen(
-            pinned(
-                plan.loadgen,
-                [
-                    *(py_spy, "record", "--pid", str(target.proxy_pid), "--rate", "250"),
-                    *("--duration", str(args.duration), "--nonblocking"),
-                    *("--format", "raw", "--output", str(raw)),
-                ],
-            ),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        raws = {who: out_dir / f"profile-{who}-{scenario.name}.txt" for who in sampled}
+        spies = [
+            subprocess.Popen(
+                pinned(
+                    plan.loadgen,
+                    [
+                        *(py_spy, "record", "--pid", str(pid), "--rate", "250"),
+                        *("--duration", str(args.duration), "--nonblocking"),
+                        *("--format", "raw", "--output", str(raws[who])),
+                    ],
+                ),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for who, pid in sampled.items()
+        ]
         try:
             time.sleep(0.5)  # py-spy attaches
             script = out_dir / f"wrk-{scenario.name}.lua"
             run = run_wrk(target, scenario, args.duration, plan, script, 0)
         finally:
-            spy.wait(timeout=args.duration + 30)
-        if not raw.exists():
-            continue
-        collapsed = raw.read_text()
-        frames, samples = top_frames(collapsed)
-        files = inclusive_by_file(collapsed)
-        components = self_by_component(collapsed)
-        profiles[scenario.name] = {
-            "file": raw.name,
-            "samples": samples,
-            "requests_per_s_while_sampled": run.requests_per_s,
-            "self": frames,
-            "self_by_component": components,
-            "inclusive_by_file": files,
-        }
-        print(f"\ngateway profile, {scenario.name} ({samples} samples, {raw.name}):")
-        print("  self time:")
-        for frame, share in frames[:12]:
-            print(f"    {share:6.1%}  {frame}")
-        print("  self time by component:")
-        for component, share in components[:14]:
-            print(f"    {share:6.1%}  {component}")
+            for spy in spies:
+                spy.wait(timeout=args.duration + 30)
+        for who, raw in raws.items():
+            if not raw.exists():
+                continue
+            collapsed = raw.read_text()
+            frames, samples = top_frames(collapsed)
+            files = inclusive_by_file(collapsed)
+            components = self_by_component(collapsed)
+            # The gateway's profiles keep their old keys (the scenario's name).
+            key = scenario.name if who == "gateway" else f"{who}-{scenario.name}"
+            profiles[key] = {
+                "file": raw.name,
+                "samples": samples,
+                "requests_per_s_while_sampled": run.requests_per_s,
+                "self": frames,
+                "self_by_component": components,
+                "inclusive_by_file": files,
+            }
+            print(f"\n{who} profile, {scenario.name} ({samples} samples, {raw.name}):")
+            print("  self time:")
+            for frame, share in frames[:12]:
+                print(f"    {share:6.1%}  {frame}")
+            print("  self time by component:")
+            for component, share in components[:14]:
+                print(f"    {share:6.1%}  {component}")
     return profiles
 
 
@@ -881,7 +891,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="vllm-router executable (default: .venv-router's, installed on first use)",
     )
-    parser.add_argument("--profile", action="store_true", help="py-spy the gateway afterwards")
+    parser.add_argument(
+        "--profile", action="store_true", help="py-spy the gateway and the fake worker afterwards"
+    )
     parser.add_argument("--results-dir", type=Path, default=None)
     return parser
 

@@ -96,6 +96,13 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     prefix_load_factor: Annotated[
         float, _help("prefix policy: most load one worker may take, as a multiple of the mean")
     ] = 1.25
+    prefix_load_slack: Annotated[
+        int,
+        _help(
+            "prefix policy: requests over the mean load that a worker may always take for "
+            "a conversation it holds (the load factor may allow more)"
+        ),
+    ] = 4
     prefix_chars: Annotated[
         int,
         _help(

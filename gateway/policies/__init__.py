@@ -11,7 +11,8 @@ bounded map (the memory of routing stays bounded whatever the traffic):
   other gateways, as of its last heartbeat (``gateway.policies.least_load``);
 * ``prefix``: a session key or the conversation's start stays on the worker
   it was placed on (the least loaded, ties by rendezvous hashing), within a
-  load bound, so a conversation's turns reach the same vLLM prefix cache
+  load bound (a multiple of the mean, or a few requests over it), so a
+  conversation's turns reach the same vLLM prefix cache
   (``gateway.policies.prefix``);
 * ``round-robin``: in turn (``gateway.policies.round_robin``).
 """
@@ -53,7 +54,7 @@ def load(worker: WorkerState) -> int:
     return worker.in_flight + worker.others
 
 
-def make_policy(name: str, load_factor: float) -> Policy:
+def make_policy(name: str, load_factor: float, load_slack: int = 4) -> Policy:
     from gateway.policies.least_load import LeastLoad
     from gateway.policies.prefix import PrefixAffinity
     from gateway.policies.round_robin import RoundRobin
@@ -61,7 +62,7 @@ def make_policy(name: str, load_factor: float) -> Policy:
     if name == "least-load":
         return LeastLoad()
     if name == "prefix":
-        return PrefixAffinity(load_factor)
+        return PrefixAffinity(load_factor, load_slack)
     if name == "round-robin":
         return RoundRobin()
     raise ValueError(f"unknown routing policy {name!r}: use least-load, prefix or round-robin")

@@ -4,8 +4,18 @@ Requests with the same key (a session key, else the conversation's start:
 ``gateway.api.openai``) go to the worker the key was placed on, so vLLM's
 prefix cache there holds what came before, as long as that worker's load
 stays within ``load_factor`` times the mean (consistent hashing with
-bounded loads, Mirrokni et al. 2018); past it, or when that worker is gone,
-the key is placed again.
+bounded loads, Mirrokni et al. 2018) or within ``slack`` requests of the
+mean, whichever allows more; past both, or when that worker is gone, the
+key is placed again.
+
+The slack is for small loads, where a ratio alone is a hair trigger: with
+two workers and two requests on the home worker, 1.25 times the mean
+(1.5) moves the third away, and the worker it moves to recomputes the
+whole history, which on a CPU engine costs seconds, while a request that
+joins a running batch on its home costs that batch a little time per step
+(measured with ``make bench ARGS="--scenario multiturn --arrival-rate ..."``:
+docs/benchmarks.md). SGLang's gateway keeps cache affinity the same way
+until loads differ by an absolute and a relative threshold together.
 
 A new key is placed on the least loaded worker, ties broken by rendezvous
 hashing of (key, worker), so an idle pool places a key the same way in
@@ -41,10 +51,15 @@ def score(key: str, worker_id: str) -> int:
 class PrefixAffinity:
     uses_key = True
 
-    def __init__(self, load_factor: float = 1.25, remembered: int = REMEMBERED_KEYS) -> None:
+    def __init__(
+        self, load_factor: float = 1.25, slack: int = 4, remembered: int = REMEMBERED_KEYS
+    ) -> None:
         if load_factor < 1.0:
             raise ValueError("the prefix policy's load factor must be >= 1")
+        if slack < 0:
+            raise ValueError("the prefix policy's load slack must be >= 0")
         self.load_factor = load_factor
+        self.slack = slack
         self.remembered = remembered
         self._fallback = LeastLoad()
         # key -> WorkerState.key of the worker it was placed on, oldest first.
@@ -52,8 +67,8 @@ class PrefixAffinity:
 
     def bound(self, context: RoutingContext) -> int:
         """Most requests one worker may hold, counting the one being placed."""
-        total = sum(load(w) for w in context.candidates) + 1
-        return max(1, math.ceil(self.load_factor * total / len(context.candidates)))
+        mean = (sum(load(w) for w in context.candidates) + 1) / len(context.candidates)
+        return max(1, math.ceil(self.load_factor * mean), math.ceil(mean) + self.slack)
 
     def select(self, context: RoutingContext) -> WorkerState:
         key = context.key

@@ -206,3 +206,39 @@ def test_prefix_remembers_a_bounded_number_of_keys() -> None:
     for i in range(10):
         policy.select(ctx(pool, f"key-{i}"))
     assert list(policy._placed) == ["key-7", "key-8", "key-9"]
+
+
+def test_prefix_keeps_a_conversation_home_at_small_loads_within_the_slack() -> None:
+    """With two requests on the home worker and none on the other, 1.25x the
+    mean alone (a bound of 2) moved the third turn away, and the other worker
+    recomputed its whole history; the slack keeps it home."""
+    pool = workers(2)
+    policy = PrefixAffinity(load_factor=1.25, slack=4)
+    home = policy.select(ctx(pool, "conversation"))
+    home.in_flight = 2
+    assert policy.bound(ctx(pool, "conversation")) == 6  # ceil(1.5) + 4
+    assert policy.select(ctx(pool, "conversation")) is home
+    # Without the slack, the old hair trigger: the bound is 2, so it moves.
+    assert PrefixAffinity(load_factor=1.25, slack=0).bound(ctx(pool)) == 2
+
+
+def test_prefix_moves_a_conversation_past_both_bounds() -> None:
+    pool = workers(2)
+    policy = PrefixAffinity(load_factor=1.25, slack=4)
+    home = policy.select(ctx(pool, "conversation"))
+    other = next(w for w in pool if w is not home)
+    # Bound: max(ceil(1.25 * mean), ceil(mean) + 4), the mean counting the new request.
+    home.in_flight = 7  # mean 4: bound max(5, 8) = 8, and 7 + 1 fits
+    assert policy.select(ctx(pool, "conversation")) is home
+    home.in_flight = 8  # mean 4.5: bound max(6, 9) = 9, and 8 + 1 fits
+    assert policy.select(ctx(pool, "conversation")) is home
+    home.in_flight = 9  # mean 5: bound max(7, 9) = 9, and 9 + 1 does not fit
+    assert policy.select(ctx(pool, "conversation")) is other
+    # ...and it stays where it went (that worker now holds its history).
+    other.in_flight = 1
+    assert policy.select(ctx(pool, "conversation")) is other
+
+
+def test_the_prefix_slack_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="slack"):
+        PrefixAffinity(slack=-1)
