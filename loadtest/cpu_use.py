@@ -17,9 +17,12 @@ from dataclasses import dataclass
 import psutil
 
 # (kind, substrings of a process's title or command line), first match wins.
-# vLLM names its engine processes with setproctitle ("VLLM::EngineCore").
+# vLLM names its engine processes with setproctitle ("VLLM::EngineCore"); a
+# process that matches none counts as its nearest ancestor that does (the
+# engine's compute runs in a process it spawns with a bare command line).
 KINDS = (
-    ("vLLM engine core", ("EngineCore",)),
+    ("vLLM engine", ("EngineCore", "VLLM::Worker")),
+    ("in-process client + vLLM front end", ("loadtest.inprocess",)),
     ("llmgate worker", ("worker.main", "worker.fake_engine")),
     ("llmgate gateway", ("gateway.main",)),
     ("llmgate launcher", ("worker.launcher", "llmgate serve")),
@@ -40,6 +43,7 @@ class Snapshot:
 
 
 def kind_of(title: str, client_pid: int, pid: int) -> str:
+    """A process's kind by its own title (``OTHER`` when none matches)."""
     if pid == client_pid:
         return CLIENT
     for kind, marks in KINDS:
@@ -48,16 +52,39 @@ def kind_of(title: str, client_pid: int, pid: int) -> str:
     return OTHER
 
 
+def kinds_by_ancestry(processes: dict[int, tuple[str, int]], client_pid: int) -> dict[int, str]:
+    """Each process's kind: by its title, else its nearest ancestor's (never the
+    client's: what the client started is what is measured, not the client).
+
+    ``processes``: pid -> (title, parent pid).
+    """
+    own = {pid: kind_of(title, client_pid, pid) for pid, (title, _) in processes.items()}
+    kinds: dict[int, str] = {}
+    for pid in processes:
+        kind, seen, at = own[pid], {pid}, pid
+        while kind == OTHER:
+            at = processes[at][1]
+            if at in seen or at not in processes or at == client_pid:
+                break
+            seen.add(at)
+            kind = own[at]
+        kinds[pid] = kind
+    return kinds
+
+
 def snapshot(client_pid: int | None = None) -> Snapshot:
     """Every process's CPU seconds now, with its kind; and the machine's idle seconds."""
     client_pid = os.getpid() if client_pid is None else client_pid
-    processes: dict[int, tuple[str, float]] = {}
-    for proc in psutil.process_iter(["name", "cmdline"]):
+    found: dict[int, tuple[str, int]] = {}
+    cpu: dict[int, float] = {}
+    for proc in psutil.process_iter(["name", "cmdline", "ppid"]):
         with contextlib.suppress(psutil.Error):
-            title = f"{proc.info['name'] or ''} {' '.join(proc.info['cmdline'] or ())}"
             times = proc.cpu_times()
-            processes[proc.pid] = (kind_of(title, client_pid, proc.pid), times.user + times.system)
-    return Snapshot(processes, psutil.cpu_times().idle)
+            cpu[proc.pid] = times.user + times.system
+            title = f"{proc.info['name'] or ''} {' '.join(proc.info['cmdline'] or ())}"
+            found[proc.pid] = (title, proc.info["ppid"] or 0)
+    kinds = kinds_by_ancestry(found, client_pid)
+    return Snapshot({pid: (kinds[pid], cpu[pid]) for pid in found}, psutil.cpu_times().idle)
 
 
 def cores_by_kind(before: Snapshot, after: Snapshot, seconds: float) -> dict[str, float]:
