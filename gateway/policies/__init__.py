@@ -54,7 +54,7 @@ def load(worker: WorkerState) -> int:
     return worker.in_flight + worker.others
 
 
-def make_policy(name: str, load_factor: float, load_slack: int = 4) -> Policy:
+def make_policy(name: str, load_factor: float, load_slack: int) -> Policy:
     from gateway.policies.least_load import LeastLoad
     from gateway.policies.prefix import PrefixAffinity
     from gateway.policies.round_robin import RoundRobin

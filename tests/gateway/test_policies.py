@@ -113,12 +113,12 @@ def test_prefix_without_a_key_falls_back_to_least_load() -> None:
     [("least-load", LeastLoad), ("prefix", PrefixAffinity), ("round-robin", RoundRobin)],
 )
 def test_policies_by_name(name: str, cls: Any) -> None:
-    assert isinstance(make_policy(name, 1.25), cls)
+    assert isinstance(make_policy(name, 1.25, 4), cls)
 
 
 def test_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="least-load"):
-        make_policy("random-ish", 1.25)
+        make_policy("random-ish", 1.25, 4)
 
 
 async def test_a_heartbeat_counts_only_other_gateways_requests() -> None:
