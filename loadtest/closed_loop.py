@@ -195,7 +195,7 @@ async def run_closed_loop(
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    return LoadRun(samples, window_start, deadline, cpu_use.cores_by_kind(before, after, duration))
+    return LoadRun(samples, window_start, deadline, cpu_use.cores_by_kind(before, after))
 
 
 def completion_payload(model: str, prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import dataclass
 
 import psutil
@@ -22,7 +23,6 @@ import psutil
 # engine's compute runs in a process it spawns with a bare command line).
 KINDS = (
     ("vLLM engine", ("EngineCore", "VLLM::Worker")),
-    ("in-process client + vLLM front end", ("loadtest.inprocess",)),
     ("llmgate worker", ("worker.main", "worker.fake_engine")),
     ("llmgate gateway", ("gateway.main",)),
     ("llmgate launcher", ("worker.launcher", "llmgate serve")),
@@ -40,6 +40,8 @@ class Snapshot:
     # pid -> (kind, CPU seconds so far: user + system, all its threads)
     processes: dict[int, tuple[str, float]]
     idle_s: float
+    # When it was taken (time.perf_counter), so cores are per second actually between two.
+    at: float
 
 
 def kind_of(title: str, client_pid: int, pid: int) -> str:
@@ -84,10 +86,11 @@ def snapshot(client_pid: int | None = None) -> Snapshot:
             title = f"{proc.info['name'] or ''} {' '.join(proc.info['cmdline'] or ())}"
             found[proc.pid] = (title, proc.info["ppid"] or 0)
     kinds = kinds_by_ancestry(found, client_pid)
-    return Snapshot({pid: (kinds[pid], cpu[pid]) for pid in found}, psutil.cpu_times().idle)
+    idle_s = psutil.cpu_times().idle
+    return Snapshot({pid: (kinds[pid], cpu[pid]) for pid in found}, idle_s, time.perf_counter())
 
 
-def cores_by_kind(before: Snapshot, after: Snapshot, seconds: float) -> dict[str, float]:
+def cores_by_kind(before: Snapshot, after: Snapshot) -> dict[str, float]:
     """Mean cores each kind of process used between two snapshots, and idle ones.
 
     A process that started in between counts from zero; one that ended is
@@ -97,6 +100,9 @@ def cores_by_kind(before: Snapshot, after: Snapshot, seconds: float) -> dict[str
     for pid, (kind, cpu_s) in after.processes.items():
         start = before.processes.get(pid, (kind, 0.0))[1]
         used[kind] = used.get(kind, 0.0) + max(0.0, cpu_s - start)
+    seconds = after.at - before.at
+    if seconds <= 0:
+        return {}
     cores = {kind: round(s / seconds, 3) for kind, s in used.items()}
     cores[IDLE] = round(max(0.0, after.idle_s - before.idle_s) / seconds, 3)
     return dict(sorted(cores.items(), key=lambda item: -item[1]))

@@ -18,9 +18,9 @@ second, the same arrival times under every policy, as on a public
 endpoint: the offered load is then the same under every policy, and what a
 policy saves shows as shorter waits rather than as more requests a second
 (compare at a rate every policy keeps up with: the requests/s column
-equal). A user sends each next turn after ``--think-time`` (4) seconds on
-average (exponential, the same pauses under every policy), as people read
-and type. ``--arrival-rate 0 --think-time 0`` is a closed loop instead:
+equal). A user pauses ``--think-time`` (4) seconds on average before each
+turn, the first included (exponential, the same pauses under every policy),
+as people read and type. ``--arrival-rate 0 --think-time 0`` is a closed loop instead:
 every user starts at once and sends its next turn as soon as the last
 answer ends; there a worker's slot freed by a user's last answer is what
 draws its next turn back, so any load-aware policy looks like affinity.

@@ -67,8 +67,10 @@ class PrefixAffinity:
 
     def bound(self, context: RoutingContext) -> int:
         """Most requests one worker may hold, counting the one being placed."""
-        mean = (sum(load(w) for w in context.candidates) + 1) / len(context.candidates)
-        return max(1, math.ceil(self.load_factor * mean), math.ceil(mean) + self.slack)
+        total = sum(load(w) for w in context.candidates) + 1
+        workers = len(context.candidates)
+        over_mean = -(-total // workers) + self.slack  # ceil(mean) + slack, in integers
+        return max(1, math.ceil(self.load_factor * total / workers), over_mean)
 
     def select(self, context: RoutingContext) -> WorkerState:
         key = context.key

@@ -194,7 +194,7 @@ def test_prefix_places_a_few_new_conversations_evenly() -> None:
 
 def test_prefix_keeps_a_conversation_on_its_worker_while_within_the_bound() -> None:
     pool = workers(2)
-    policy = PrefixAffinity(load_factor=1.5)
+    policy = PrefixAffinity(load_factor=1.5, slack=0)  # the factor alone
     home = policy.select(ctx(pool, "conversation"))
     home.in_flight += 1  # the other worker is now less loaded...
     assert policy.select(ctx(pool, "conversation")) is home  # ...but the history is here
@@ -219,7 +219,10 @@ def test_prefix_keeps_a_conversation_home_at_small_loads_within_the_slack() -> N
     assert policy.bound(ctx(pool, "conversation")) == 6  # ceil(1.5) + 4
     assert policy.select(ctx(pool, "conversation")) is home
     # Without the slack, the old hair trigger: the bound is 2, so it moves.
-    assert PrefixAffinity(load_factor=1.25, slack=0).bound(ctx(pool)) == 2
+    hair_trigger = PrefixAffinity(load_factor=1.25, slack=0)
+    assert hair_trigger.bound(ctx(pool)) == 2
+    hair_trigger._placed["conversation"] = home.key
+    assert hair_trigger.select(ctx(pool, "conversation")) is not home
 
 
 def test_prefix_moves_a_conversation_past_both_bounds() -> None:

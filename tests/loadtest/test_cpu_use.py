@@ -21,7 +21,6 @@ from loadtest.cpu_use import Snapshot
         ("python python -m vllm.entrypoints.openai.api_server --model m", "vLLM API server"),
         ("vllm-router vllm-router --port 1", "vllm-router"),
         ("python python -m loadtest.baselines.fastapi_batching", "fastapi baseline"),
-        ("python python -m loadtest.inprocess --out x", "in-process client + vLLM front end"),
         ("sshd sshd: root", "other processes"),
     ],
 )
@@ -34,7 +33,7 @@ def test_the_client_is_the_bench_process_whatever_its_title() -> None:
 
 
 def test_cores_are_cpu_seconds_over_the_window_by_kind() -> None:
-    before = Snapshot({1: ("vLLM engine", 10.0), 2: ("bench client", 1.0)}, idle_s=100.0)
+    before = Snapshot({1: ("vLLM engine", 10.0), 2: ("bench client", 1.0)}, idle_s=100.0, at=5.0)
     after = Snapshot(
         {
             1: ("vLLM engine", 28.0),
@@ -42,8 +41,9 @@ def test_cores_are_cpu_seconds_over_the_window_by_kind() -> None:
             3: ("llmgate worker", 1.0),  # started in the window: counted from zero
         },
         idle_s=101.0,
+        at=15.0,
     )
-    cores = cpu_use.cores_by_kind(before, after, seconds=10.0)
+    cores = cpu_use.cores_by_kind(before, after)
     assert cores == {
         "vLLM engine": 1.8,
         "bench client": 0.1,
