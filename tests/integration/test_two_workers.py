@@ -106,8 +106,11 @@ def test_prefix_policy_load_bound_holds_for_a_hot_prefix(prefix_gateway: Served)
         for i in range(12)
     ]
     counts = served_by(asyncio.run(post_many(prefix_gateway.base_url, bodies)))
-    # Bound: ceil(1.25 * 12 / 2) = 8 on the prefix's home worker; the rest overflow.
-    assert len(counts) == 2 and max(counts.values()) <= 8
+    # All 12 are in flight at once (16 tokens take far longer than they take to
+    # arrive). The home worker takes the k-th while it holds fewer than
+    # max(ceil(1.25 * k / 2), ceil(k / 2) + 4), the default load factor and
+    # slack: the 10th finds 9 there against a bound of 9 and overflows.
+    assert len(counts) == 2 and max(counts.values()) <= 9
 
 
 def worker_process(two: Served, address: str) -> psutil.Process:
