@@ -13,6 +13,14 @@ from shared.settings import ServeSettings
 from worker import launcher
 
 
+def two_cores_no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU-only machine with cores 0 and 1, no vLLM thread settings in the environment."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda _pid: {0, 1})
+
+
 def test_cpu_cores_are_split_evenly() -> None:
     assert launcher.cpu_slices(2, [0, 1, 2, 3]) == ["0,1", "2,3"]
     assert launcher.cpu_slices(3, [0, 1, 2, 3, 4, 5, 6]) == ["0,1", "2,3", "4,5"]
@@ -42,10 +50,7 @@ def test_cpu_workers_are_pinned_to_their_own_cores(monkeypatch: pytest.MonkeyPat
 def test_a_single_cpu_worker_computes_on_every_core(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
-    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda _pid: {0, 1})
+    two_cores_no_gpu(monkeypatch)
     with caplog.at_level("INFO", logger="llmgate.launcher"):
         (child,) = launcher.plan_workers(ServeSettings(), [])
     # vLLM binds its threads itself, with no core held back for its front end.
@@ -110,10 +115,7 @@ def test_a_lone_unpinned_pool_worker_computes_on_every_core(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The pools' planner gives a CPU worker the same default as ``plan_workers``."""
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
-    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda _pid: {0, 1})
+    two_cores_no_gpu(monkeypatch)
     with caplog.at_level("INFO", logger="llmgate.launcher"):
         (child,) = launcher.plan_pool_workers(
             ServeSettings(), config.parse("pools:\n  - {name: only}\n"), []
