@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -62,6 +63,9 @@ class WorkerLink:
         self._on_disconnect = on_disconnect
         self._on_connect = on_connect
         self._reader: Reader[bytes] = Reader(self.sock, self._on_frame, multipart=False)
+        # When the last message of any kind came: a worker streaming output
+        # lives, even if its heartbeat is late behind that output.
+        self.last_received = 0.0
         self._outbox: list[bytes] = []
         # A failing handshake is logged once, not on every reconnect, until one succeeds.
         self._handshake_failing = False
@@ -122,7 +126,12 @@ class WorkerLink:
         finally:
             self._reader.after_send()
 
+    def read_ready(self) -> None:
+        """Handle every message waiting on the socket now."""
+        self._reader.read_ready()
+
     def _on_frame(self, frame: bytes) -> None:
+        self.last_received = time.monotonic()
         try:
             message = self._decoder.decode(frame)
         except msgspec.DecodeError as exc:

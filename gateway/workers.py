@@ -1,8 +1,10 @@
 """The workers as this gateway process sees them: what their heartbeats say, and whether they live.
 
 A worker is *healthy* while its heartbeats keep coming. It stops being so
-when they stop for ``--heartbeat-timeout`` (a hung or partitioned worker) or
-at once when its TCP connection drops (a crashed one). Its heartbeat says
+when it sends nothing at all (heartbeats or output) for ``--heartbeat-timeout``
+(a hung or partitioned worker) or at once when its TCP connection drops (a
+crashed one). Silence is judged only after reading what waits on the link,
+and not on a tick that came late (the gateway itself was paused or starved). Its heartbeat says
 which models it serves, how many requests it takes at once and how many
 other gateways give it, and its incarnation: a new incarnation means the
 process restarted and whatever we had in flight there is gone. Either way
@@ -230,16 +232,28 @@ class Workers:
 
     async def monitor(self) -> None:
         """Ping every worker each heartbeat interval; lose silent ones, drop idle retired ones."""
+        interval = self.settings.heartbeat_interval
+        last_tick = time.monotonic()
         while True:
-            await asyncio.sleep(self.settings.heartbeat_interval)
+            await asyncio.sleep(interval)
             ping = protocol.Ping(gateway_id=self.gateway_id, sent_at=time.time())
             for worker in self.by_address.values():
                 worker.link.send(ping)
             now = time.monotonic()
+            # Woken far later than asked: this process was paused or starved of
+            # CPU, not the workers silent. What they sent meanwhile may still be
+            # in the kernel's buffers: judge silence on a later tick (the
+            # workers do the same about their gateways).
+            late = now - last_tick > 2 * interval + 1.0
+            last_tick = now
             for worker in list(self.by_address.values()):
-                silent = now - worker.last_heartbeat
-                if worker.healthy and silent > self.settings.heartbeat_timeout:
-                    self.lose(worker, f"silent for {silent:.1f}s")
+                if worker.healthy and not late:
+                    # Timers run before I/O in a loop turn: read what waits first.
+                    worker.link.read_ready()
+                    heard = max(worker.last_heartbeat, worker.link.last_received)
+                    silent = now - heard
+                    if silent > self.settings.heartbeat_timeout:
+                        self.lose(worker, f"silent for {silent:.1f}s")
                 if worker.retired and not worker.requests:
                     await self._remove(worker)
 

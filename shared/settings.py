@@ -82,7 +82,8 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     port: Annotated[int, _help("HTTP listen port")] = 8000
     heartbeat_interval: Annotated[float, _help("seconds between gateway pings")] = 1.0
     heartbeat_timeout: Annotated[
-        float, _help("seconds without a worker heartbeat before it is marked down")
+        float,
+        _help("seconds a worker may send nothing (heartbeats, output) before it is marked down"),
     ] = 3.0
     request_timeout: Annotated[
         float, _help("seconds a request may run before it is aborted with 504 (0 = no limit)")

@@ -66,6 +66,12 @@ class Reader(Generic[T]):
         if self._loop is not None and self._readable():
             self._schedule()
 
+    def read_ready(self) -> None:
+        """Handle what is waiting now, before this loop turn ends (e.g. before
+        judging a peer silent: its messages may be queued, not yet read)."""
+        if self._loop is not None:
+            self._drain()
+
     def _readable(self) -> bool:
         return bool(cast(int, self.sock.getsockopt(_EVENTS)) & _POLLIN)
 
