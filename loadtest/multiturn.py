@@ -78,6 +78,9 @@ class Turn:
     latency_s: float
     output_tokens: int
     error: str | None = None
+    # The worker that answered, and when the turn was sent (seconds into the run).
+    worker: str = ""
+    started_s: float = 0.0
 
 
 @dataclass
@@ -96,6 +99,13 @@ class PolicyResult:
     requests_per_worker: dict[str, int] = field(default_factory=dict)
     # Mean TTFT of each turn number (1, 2, ...), to see the history's effect.
     mean_ttft_by_turn_ms: list[float | None] = field(default_factory=list)
+    # Turns 2+ answered by another worker than the turn before (which then
+    # recomputes the whole history), and their mean TTFT.
+    moved_turns: int = 0
+    mean_ttft_moved_ms: float | None = None
+    # Mean number of this run's turns running on the answering worker when a
+    # turn was sent: a pile-up on one worker shows here, a machine stall not.
+    mean_load_at_send: float | None = None
 
 
 def text(rng: random.Random, words: int) -> str:
@@ -132,15 +142,19 @@ def arrival_offsets(users: int, rate: float) -> list[float]:
 
 
 async def conversation(
-    client: httpx.AsyncClient, args: argparse.Namespace, tag: str, user: int, start_at: float
-) -> tuple[list[Turn], list[str]]:
-    """One user's turns, from ``start_at`` seconds on; also which worker answered each."""
+    client: httpx.AsyncClient,
+    args: argparse.Namespace,
+    tag: str,
+    user: int,
+    start_at: float,
+    run_start: float,
+) -> list[Turn]:
+    """One user's turns, from ``start_at`` seconds after ``run_start`` on."""
     await asyncio.sleep(start_at)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": system_prompt(tag, args.system_words)}
     ]
     turns: list[Turn] = []
-    workers: list[str] = []
     # The same pauses under every policy: a user reads, then types.
     thinking = random.Random(f"think-{user}")
     for turn in range(1, args.turns + 1):
@@ -161,13 +175,14 @@ async def conversation(
         answer: list[str] = []
         tokens = 0
         error = None
+        worker = ""
         try:
             async with client.stream("POST", "/v1/chat/completions", json=body) as response:
                 if response.status_code != 200:
                     error = f"HTTP {response.status_code}"
                     await response.aread()
                 else:
-                    workers.append(response.headers.get("x-llmgate-worker", "?"))
+                    worker = response.headers.get("x-llmgate-worker", "?")
                     async for line in response.aiter_lines():
                         if not line.startswith("data: ") or line == "data: [DONE]":
                             continue
@@ -183,30 +198,49 @@ async def conversation(
             error = type(exc).__name__
         end = time.perf_counter()
         ttft = first - start if first is not None else None
-        turns.append(Turn(user, turn, ttft, end - start, tokens, error))
+        turns.append(Turn(user, turn, ttft, end - start, tokens, error, worker, start - run_start))
         if error:
             break
         messages.append({"role": "assistant", "content": "".join(answer)})
-    return turns, workers
+    return turns
 
 
-async def run_policy(
-    url: str, args: argparse.Namespace, tag: str
-) -> tuple[list[Turn], float, dict[str, int]]:
+async def run_policy(url: str, args: argparse.Namespace, tag: str) -> tuple[list[Turn], float]:
     limits = httpx.Limits(max_connections=args.users, max_keepalive_connections=args.users)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
         offsets = arrival_offsets(args.users, args.arrival_rate)
         started = time.perf_counter()
         done = await asyncio.gather(
-            *(conversation(client, args, tag, user, offsets[user]) for user in range(args.users))
+            *(
+                conversation(client, args, tag, user, offsets[user], started)
+                for user in range(args.users)
+            )
         )
         seconds = time.perf_counter() - started
-    turns = [t for user_turns, _ in done for t in user_turns]
-    per_worker: dict[str, int] = {}
-    for _, workers in done:
-        for worker in workers:
-            per_worker[worker] = per_worker.get(worker, 0) + 1
-    return turns, seconds, per_worker
+    return [t for user_turns in done for t in user_turns], seconds
+
+
+def moved(turns: list[Turn]) -> list[Turn]:
+    """Turns answered by another worker than their conversation's turn before."""
+    last: dict[int, str] = {}
+    out = []
+    for t in sorted(turns, key=lambda t: (t.user, t.turn)):
+        if t.worker and last.get(t.user, t.worker) != t.worker:
+            out.append(t)
+        if t.worker:
+            last[t.user] = t.worker
+    return out
+
+
+def load_at_send(turn: Turn, turns: list[Turn]) -> int:
+    """Other turns running on ``turn``'s worker when it was sent."""
+    return sum(
+        1
+        for o in turns
+        if o is not turn
+        and o.worker == turn.worker
+        and o.started_s <= turn.started_s < o.started_s + o.latency_s
+    )
 
 
 def prefix_counters(metrics_url: str) -> tuple[float, float]:
@@ -223,13 +257,13 @@ def prefix_counters(metrics_url: str) -> tuple[float, float]:
 
 
 def summarize(
-    policy: str,
-    turns: list[Turn],
-    seconds: float,
-    rates: list[float | None],
-    per_worker: dict[str, int],
+    policy: str, turns: list[Turn], seconds: float, rates: list[float | None]
 ) -> PolicyResult:
     ok = [t for t in turns if t.error is None]
+    per_worker: dict[str, int] = {}
+    for t in ok:
+        per_worker[t.worker] = per_worker.get(t.worker, 0) + 1
+    went = [t for t in moved(ok) if t.ttft_s is not None]
     ttfts = [t.ttft_s * 1000 for t in ok if t.ttft_s is not None]
     later = [t.ttft_s * 1000 for t in ok if t.ttft_s is not None and t.turn > 1]
 
@@ -253,6 +287,9 @@ def summarize(
             mean([t.ttft_s * 1000 for t in ok if t.ttft_s is not None and t.turn == n])
             for n in range(1, max((t.turn for t in turns), default=0) + 1)
         ],
+        moved_turns=len(went),
+        mean_ttft_moved_ms=mean([t.ttft_s * 1000 for t in went if t.ttft_s is not None]),
+        mean_load_at_send=mean([float(load_at_send(t, ok)) for t in ok]),
     )
 
 
@@ -358,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"results and logs: {run_dir.relative_to(ROOT)}/", flush=True)
     engine = targets.Engine(args.enforce_eager, args.startup_timeout)
     results: list[PolicyResult] = []
+    every_turn: dict[str, list[dict[str, Any]]] = {}
     with contextlib.ExitStack() as stack:
         addresses, metrics_urls = [], []
         procs = []
@@ -385,16 +423,15 @@ def main(argv: list[str] | None = None) -> int:
                     asyncio.run(run_policy(url, warm, "warm-up"))
                 before = [prefix_counters(u) for u in metrics_urls]
                 print(f"[{policy}] {args.users} users x {args.turns} turns", flush=True)
-                turns, seconds, per_worker = asyncio.run(
-                    run_policy(url, args, f"{policy} {started:%H%M%S}")
-                )
+                turns, seconds = asyncio.run(run_policy(url, args, f"{policy} {started:%H%M%S}"))
                 after = [prefix_counters(u) for u in metrics_urls]
             rates: list[float | None] = [
                 (h1 - h0) / (q1 - q0) if q1 > q0 else None
                 for (q0, h0), (q1, h1) in zip(before, after, strict=True)
             ]
-            result = summarize(policy, turns, seconds, rates, per_worker)
+            result = summarize(policy, turns, seconds, rates)
             results.append(result)
+            every_turn[policy] = [asdict(t) for t in sorted(turns, key=lambda t: t.started_s)]
             print(format_table([result]).splitlines()[-1], flush=True)
     title = (
         f"{started:%Y-%m-%d %H:%M} UTC, 2 workers, vLLM {vllm_version()}, {targets.MODEL}, "
@@ -413,6 +450,9 @@ def main(argv: list[str] | None = None) -> int:
         "parameters": vars(args),
         "results": [asdict(r) for r in results],
         "verdict": verdict(results),
+        # Each turn (user, turn, worker, sent at, TTFT, ...), to tell a pile-up
+        # on one worker from a stall of the whole machine.
+        "turns": every_turn,
     }
     write_json_and_csv(run_dir, document, results)
     print()
@@ -421,6 +461,12 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         by_turn = ", ".join("-" if x is None else f"{x:,.0f}" for x in r.mean_ttft_by_turn_ms)
         print(f"{r.policy} mean TTFT by turn (ms): {by_turn}")
+        moved_ms = "-" if r.mean_ttft_moved_ms is None else f"{r.mean_ttft_moved_ms:,.0f}"
+        load = "-" if r.mean_load_at_send is None else f"{r.mean_load_at_send:.1f}"
+        print(
+            f"{r.policy}: {r.moved_turns} turns moved to another worker (mean TTFT {moved_ms} ms); "
+            f"mean turns running on the worker a turn was sent to: {load}"
+        )
     line = verdict(results)
     if line:
         print(line)

@@ -21,11 +21,12 @@ def test_texts_are_the_same_for_a_user_and_turn_and_differ_otherwise() -> None:
 
 def test_summary_of_turns() -> None:
     turns = [
-        Turn(0, 1, 0.4, 1.0, 16),
-        Turn(0, 2, 0.2, 0.8, 16),
+        Turn(0, 1, 0.4, 1.0, 16, worker="w0"),
+        Turn(0, 2, 0.2, 0.8, 16, worker="w0", started_s=1.0),
         Turn(1, 1, None, 0.1, 0, error="HTTP 503"),
     ]
-    result = multiturn.summarize("prefix", turns, 2.0, [0.5, None], {"w0": 2})
+    result = multiturn.summarize("prefix", turns, 2.0, [0.5, None])
+    assert result.requests_per_worker == {"w0": 2}
     assert (result.requests, result.errors) == (2, 1)
     assert result.mean_ttft_ms == pytest.approx(300)
     assert result.mean_ttft_later_turns_ms == pytest.approx(200)
@@ -35,8 +36,8 @@ def test_summary_of_turns() -> None:
 
 
 def test_verdict_compares_prefix_with_round_robin() -> None:
-    prefix = multiturn.summarize("prefix", [Turn(0, 1, 0.1, 1.0, 16)], 1.0, [], {})
-    rr = multiturn.summarize("round-robin", [Turn(0, 1, 0.2, 1.0, 16)], 1.0, [], {})
+    prefix = multiturn.summarize("prefix", [Turn(0, 1, 0.1, 1.0, 16)], 1.0, [])
+    rr = multiturn.summarize("round-robin", [Turn(0, 1, 0.2, 1.0, 16)], 1.0, [])
     line = multiturn.verdict([prefix, rr])
     assert line is not None and "2.00x" in line and line.endswith("met")
     assert multiturn.verdict([prefix]) is None
@@ -62,3 +63,18 @@ def test_arrivals_are_all_at_once_without_a_rate_and_a_fixed_poisson_process_wit
     # Mean gap 1/rate = 2 s; over 399 gaps of this fixed draw, well within 20%.
     mean_gap = offsets[-1] / (len(offsets) - 1)
     assert 1.6 < mean_gap < 2.4
+
+
+def test_turns_that_moved_worker_and_the_load_each_turn_met() -> None:
+    turns = [
+        Turn(0, 1, 0.5, 2.0, 16, worker="a", started_s=0.0),
+        Turn(1, 1, 0.5, 2.0, 16, worker="a", started_s=1.0),  # meets user 0's turn 1
+        Turn(0, 2, 1.5, 2.0, 16, worker="b", started_s=3.0),  # moved: a, then b
+        Turn(1, 2, 0.1, 1.0, 16, worker="a", started_s=3.5),  # stayed on a; a idle by then
+    ]
+    assert [(t.user, t.turn) for t in multiturn.moved(turns)] == [(0, 2)]
+    assert [multiturn.load_at_send(t, turns) for t in turns] == [0, 1, 0, 0]
+    result = multiturn.summarize("prefix", turns, 6.0, [])
+    assert result.moved_turns == 1
+    assert result.mean_ttft_moved_ms == pytest.approx(1500)
+    assert result.mean_load_at_send == pytest.approx(0.25)
