@@ -40,7 +40,8 @@ from typing import Any
 import httpx
 import openai
 
-from loadtest.procs import await_ready, free_port, free_port_range, launched
+from loadtest.procs import await_ready, launched
+from shared.ports import free_port, free_port_range
 
 ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT_S = 600.0

@@ -55,8 +55,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest import targets
 from loadtest.closed_loop import percentile
-from loadtest.procs import await_ready, free_port, healthy_workers, launched, vllm_version
+from loadtest.procs import await_ready, healthy_workers, launched, vllm_version
 from loadtest.report import write_json_and_csv
+from shared.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_ROOT = ROOT / "loadtest" / "results"

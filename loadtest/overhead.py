@@ -71,7 +71,8 @@ from typing import Any
 import httpx
 import psutil
 
-from loadtest.procs import await_ready, free_port, healthy_workers, launched
+from loadtest.procs import await_ready, healthy_workers, launched
+from shared.ports import free_port
 from shared.settings import DEFAULT_MODEL_NAME
 from worker.fake_engine import TOKEN_TEXT
 

@@ -12,7 +12,6 @@ import contextlib
 import importlib.metadata
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,28 +22,6 @@ import httpx
 import psutil
 
 STOP_GRACE_SECONDS = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def free_port_range(count: int) -> int:
-    """A base port such that base .. base+count-1 are free now (llmgate's worker ports)."""
-    for _ in range(50):
-        base = free_port()
-        if base + count > 65535:
-            continue
-        try:
-            for offset in range(1, count):
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", base + offset))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port range")
 
 
 def vllm_version() -> str:

@@ -48,8 +48,9 @@ from loadtest.overhead import (
     run_wrk,
     wrk_script,
 )
-from loadtest.procs import await_ready, free_port, healthy_workers, launched
+from loadtest.procs import await_ready, healthy_workers, launched
 from loadtest.report import write_json_and_csv
+from shared.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_ROOT = ROOT / "loadtest" / "results"

@@ -30,8 +30,9 @@ from typing import Any
 import httpx
 import msgspec
 
-from loadtest.procs import await_ready, free_port, free_port_range, healthy_workers, launched
+from loadtest.procs import await_ready, healthy_workers, launched
 from shared import config as pools_config
+from shared.ports import free_port, free_port_range
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "two-pools.yaml"

@@ -29,7 +29,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtest.procs import await_ready, free_port, free_port_range, healthy_workers, launched
+from loadtest.procs import await_ready, healthy_workers, launched
+from shared.ports import free_port, free_port_range
 from worker.embedded_model import SERVED_MODEL_NAME, default_model_dir
 from worker.launcher import cpu_slices
 

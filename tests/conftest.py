@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadtest.procs import free_port, free_port_range
+from shared.ports import free_port, free_port_range
 
 MODEL = "smollm2-135m-instruct"
 STARTUP_TIMEOUT = 300.0

@@ -20,7 +20,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from typing import Any
 from gateway import errors
 from gateway.batch import jsonl
 from gateway.batch.runner import CACHE_METADATA_KEY
+from shared.ports import free_port, free_port_range
 
 READY_TIMEOUT = 900.0
 POLL_SECONDS = 1.0
@@ -127,21 +127,15 @@ def run_job(client: Client, input_path: Path, output: Path, cache_results: bool)
     return 1 if counts["failed"] else 0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def serve_and_run(args: argparse.Namespace, serve_args: list[str]) -> int:
     """Start ``llmgate serve`` on free ports, run the job through it, stop it."""
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="llmgate-batch-") as state:
         log_path = Path(state) / "serve.log"
         argv = [
             *(sys.executable, "-m", "worker.launcher", "--port", str(port)),
-            *("--worker-base-port", str(_free_port()), "--state-dir", state),
+            # Room for as many workers as --num-workers may ask on one machine.
+            *("--worker-base-port", str(free_port_range(16)), "--state-dir", state),
             *serve_args,
         ]
         with log_path.open("wb") as log_file:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from loadtest.procs import free_port
+from shared.ports import free_port
 from tests.conftest import Served, start_gateway, stop_serve
 
 READY_LINE = "Ready to accept connections"
