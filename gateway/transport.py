@@ -59,6 +59,10 @@ class WorkerLink:
             curve.apply(self.sock)
         self._encoder = protocol.encoder()
         self._decoder = protocol.gateway_decoder()
+        # To recognise our own pings coming back (a TCP self-connect).
+        self._worker_decoder = protocol.worker_decoder()
+        self._gateway_id = identity.decode(errors="replace")
+        self.self_connects = 0
         self._on_message = on_message
         self._on_disconnect = on_disconnect
         self._on_connect = on_connect
@@ -131,13 +135,41 @@ class WorkerLink:
         self._reader.read_ready()
 
     def _on_frame(self, frame: bytes) -> None:
-        self.last_received = time.monotonic()
         try:
             message = self._decoder.decode(frame)
         except msgspec.DecodeError as exc:
+            if self._is_own_ping(frame):
+                self._connected_to_itself()
+                return
             log.warning("dropping an undecodable frame from %s: %s", self.address, exc)
             return
+        self.last_received = time.monotonic()
         self._on_message(self, message)
+
+    def _is_own_ping(self, frame: bytes) -> bool:
+        try:
+            message = self._worker_decoder.decode(frame)
+        except msgspec.DecodeError:
+            return False
+        return isinstance(message, protocol.Ping) and message.gateway_id == self._gateway_id
+
+    def _connected_to_itself(self) -> None:
+        """TCP's self-connect: dialing a port in the kernel's ephemeral range
+        where nothing listens yet, the socket may get that very port as its
+        own end and connect to itself. It then holds the worker's port (the
+        worker cannot bind it) and hears its own pings. Hang up and dial again."""
+        self.self_connects += 1
+        log.warning(
+            "the link to %s connected to itself (TCP self-connect: nothing listened there "
+            "yet and the port is in the kernel's ephemeral range): dialing again; "
+            "a worker port below net.ipv4.ip_local_port_range avoids this",
+            self.address,
+        )
+        try:
+            self.sock.disconnect(self.address)
+        except zmq.ZMQError:
+            pass  # already forgotten by libzmq
+        self.sock.connect(self.address)
 
     def _on_monitor_event(self, frames: list[bytes]) -> None:
         event = parse_monitor_message(frames)

@@ -100,3 +100,32 @@ def test_messages_queued_in_one_turn_leave_as_one_message_in_order() -> None:
     assert [decode(body) for body in frames[1:]] == [
         protocol.Abort(request_ids=[f"r{n}"]) for n in range(3)
     ]
+
+
+def test_a_link_that_hears_its_own_ping_dials_again(caplog: pytest.LogCaptureFixture) -> None:
+    """TCP self-connect (a CI run: the gateway's link held the second worker's
+    port, which was in the ephemeral range, and heard its own pings): the link
+    hangs up and dials again; anyone else's ping is only dropped."""
+
+    async def scenario() -> WorkerLink:
+        link_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        heard: list[object] = []
+        link = WorkerLink(
+            link_ctx,
+            f"tcp://127.0.0.1:{free_port()}",
+            b"gw-self",
+            lambda _link, message: heard.append(message),
+        )
+        link.start()
+        encode = protocol.encoder().encode
+        link._on_frame(encode(protocol.Ping(gateway_id="gw-other", sent_at=1.0)))
+        assert link.self_connects == 0 and link.last_received == 0.0
+        link._on_frame(encode(protocol.Ping(gateway_id="gw-self", sent_at=1.0)))
+        assert link.self_connects == 1 and link.last_received == 0.0 and not heard
+        await link.close()
+        link_ctx.term()
+        return link
+
+    run(scenario)
+    assert "connected to itself" in caplog.text
+    assert "dropping an undecodable frame" in caplog.text  # the other gateway's ping
