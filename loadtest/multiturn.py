@@ -30,7 +30,9 @@ put in a worker's prefix cache helps the next. Reported per policy: mean and
 p99 TTFT over all turns (and over turns 2+, where the history exists), mean
 end-to-end latency, requests/s and output tokens/s over the run, and each
 worker's prefix-cache hit rate in the run (vLLM's ``vllm:prefix_cache_hits``
-over ``vllm:prefix_cache_queries``, in tokens, from the workers' metrics).
+over ``vllm:prefix_cache_queries``, in tokens, from the workers' metrics),
+the turns that moved to another worker than their conversation's turn
+before, and the load each turn met; ``results.json`` lists every turn.
 
 Results go to ``loadtest/results/<UTC time>-multiturn/`` (``results.json``,
 ``results.csv``, the logs).
