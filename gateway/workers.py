@@ -1,13 +1,14 @@
 """The workers as this gateway process sees them: what their heartbeats say, and whether they live.
 
 A worker is *healthy* while its heartbeats keep coming. It stops being so
-when it sends nothing at all (heartbeats or output) for ``--heartbeat-timeout``
-(a hung or partitioned worker) or at once when its TCP connection drops (a
-crashed one). Silence is judged only after reading what waits on the link,
-and not on a tick that came late (the gateway itself was paused or starved). Its heartbeat says
-which models it serves, how many requests it takes at once and how many
-other gateways give it, and its incarnation: a new incarnation means the
-process restarted and whatever we had in flight there is gone. Either way
+when it sends nothing at all (heartbeats or output) for
+``--heartbeat-timeout`` (a hung or partitioned worker) or at once when its
+TCP connection drops (a crashed one). Silence is judged only after reading
+what waits on the link, and not on a tick that came late (the gateway itself
+was paused or starved). Its heartbeat says which models it serves, how
+many requests it takes at once and how many other gateways give it, and its
+incarnation: a new incarnation means the process restarted and whatever we
+had in flight there is gone. Either way
 ``on_lost`` is called, and the pool fails that worker's requests (the API
 retries those that sent nothing to the client yet).
 """

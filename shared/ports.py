@@ -4,10 +4,12 @@ A port the kernel hands out with ``bind(port 0)`` lies in Linux's ephemeral
 range (``net.ipv4.ip_local_port_range``, 32768-60999 by default), the range
 from which every outgoing connection's local end and every other program's
 "any free port" are drawn too. Between our check and the server's own bind,
-any of those may take it: a CI run failed so, a vLLM engine's own socket
-taking the second worker's port seconds before that worker bound it. Ports
-here are drawn from below that range, where only programs that name a port
-bind, and never handed out twice by one process.
+any of those may take it. Worse, a client dialing such a port while nothing
+listens there may get that very port as its own end and connect to itself
+(TCP self-connect): a CI run failed so, the gateway's link to a restarting
+worker holding that worker's port and hearing its own pings. Ports here are
+drawn from below that range, where only programs that name a port bind, and
+never handed out twice by one process.
 """
 
 from __future__ import annotations
