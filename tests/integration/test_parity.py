@@ -134,7 +134,10 @@ def coalesce(events: list[Any]) -> list[Any]:
     merges the outputs it has not handed over yet (a paused or starved
     process, as on this 2-core machine with two engines). What is compared is
     what the chunks carry: the text, logprobs and token ids in order, and the
-    chunks around them (role, finish, usage).
+    chunks around them (role, finish, usage). The Responses API's text
+    deltas are joined the same way, and its events numbered anew (a CI run
+    failed on ``"The capital"`` coming as one delta from one server, two from
+    the other).
     """
     out: list[Any] = []
     for event in events:
@@ -143,8 +146,35 @@ def coalesce(events: list[Any]) -> list[Any]:
             if previous["choices"][0].get("finish_reason") is None:
                 out[-1] = _join(previous, event)
                 continue
+        if _same_responses_delta(previous, event):
+            out[-1] = {**previous, "delta": previous["delta"] + event["delta"]}
+            if isinstance(previous.get("logprobs"), list):
+                out[-1]["logprobs"] = previous["logprobs"] + event["logprobs"]
+            continue
         out.append(event)
+    if any(isinstance(e, dict) and "sequence_number" in e for e in out):
+        # The Responses API numbers its events: joined, they number anew.
+        numbered = (e for e in out if isinstance(e, dict) and "sequence_number" in e)
+        for number, event in enumerate(numbered):
+            event["sequence_number"] = number
     return out
+
+
+def _same_responses_delta(a: Any, b: Any) -> bool:
+    """Two Responses API text deltas in a row of one output and content part
+    (``response.output_text.delta`` and the like): parts of one run of text."""
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return False
+    kind = b.get("type")
+    return (
+        isinstance(kind, str)
+        and kind.startswith("response.")
+        and kind.endswith(".delta")
+        and a.get("type") == kind
+        and isinstance(a.get("delta"), str)
+        and isinstance(b.get("delta"), str)
+        and all(a.get(k) == b.get(k) for k in ("output_index", "content_index"))
+    )
 
 
 def _output_chunk(event: Any) -> bool:
