@@ -12,21 +12,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterator
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
 from gateway.workers import Workers, WorkerState
 from shared import protocol
 from shared.settings import GatewaySettings
+from tests.gateway import test_pool as pool_tests
 
 
-class Link(SimpleNamespace):
-    """A worker link: keeps what is sent; ``waiting`` runs when the monitor reads."""
-
-    def send(self, message: Any) -> None:
-        self.sent.append(message)
+class Link(pool_tests.Link):
+    """test_pool's link, plus ``waiting``: what the monitor reads, one per tick."""
 
     def read_ready(self) -> None:
         if self.waiting:  # one message arrived per tick
@@ -81,7 +77,7 @@ def run_monitor(workers: Workers, clock: Clock, steps: list[float]) -> None:
         asyncio.run(workers.monitor())
 
 
-def worker(workers: Workers, clock: Clock) -> tuple[WorkerState, Callable[[], None]]:
+def worker(workers: Workers) -> tuple[WorkerState, Callable[[], None]]:
     link = Link(address="tcp://a:5550", sent=[], waiting=[], last_received=0.0)
     state = WorkerState(link=link)  # type: ignore[arg-type]
     workers.by_address[state.address] = state
@@ -93,7 +89,7 @@ def worker(workers: Workers, clock: Clock) -> tuple[WorkerState, Callable[[], No
 
 
 def test_a_worker_silent_past_the_timeout_is_lost(workers: Workers, clock: Clock) -> None:
-    state, beat = worker(workers, clock)
+    state, beat = worker(workers)
     beat()
     run_monitor(workers, clock, [1.0] * 3)
     assert state.healthy  # 3 s: not past the timeout yet
@@ -102,7 +98,7 @@ def test_a_worker_silent_past_the_timeout_is_lost(workers: Workers, clock: Clock
 
 
 def test_heartbeats_waiting_unread_are_read_before_judging(workers: Workers, clock: Clock) -> None:
-    state, beat = worker(workers, clock)
+    state, beat = worker(workers)
     beat()
     # Its heartbeats arrived but wait in the socket: the monitor reads them first.
     state.link.waiting.extend([beat] * 6)  # type: ignore[attr-defined]
@@ -113,7 +109,7 @@ def test_heartbeats_waiting_unread_are_read_before_judging(workers: Workers, clo
 def test_a_late_tick_judges_no_one(workers: Workers, clock: Clock) -> None:
     # The gateway itself was paused for 10 s: nothing it could read yet says
     # the worker lives, but its silence is the gateway's own.
-    state, beat = worker(workers, clock)
+    state, beat = worker(workers)
     beat()
     run_monitor(workers, clock, [10.0])
     assert state.healthy
@@ -125,7 +121,7 @@ def test_a_late_tick_judges_no_one(workers: Workers, clock: Clock) -> None:
 def test_a_worker_sending_output_lives_though_its_heartbeat_is_late(
     workers: Workers, clock: Clock
 ) -> None:
-    state, beat = worker(workers, clock)
+    state, beat = worker(workers)
     beat()
 
     def output() -> None:
