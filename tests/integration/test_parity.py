@@ -193,6 +193,15 @@ def _same_choice(a: Any, b: Any) -> bool:
 def _join(a: Any, b: Any, key: str = "") -> Any:
     if isinstance(a, dict) and isinstance(b, dict):
         return {k: _join(a.get(k), b.get(k), k) for k in {**a, **b}}
+    if isinstance(a, list) and isinstance(b, list) and key == "tool_calls":
+        # Fragments of one call (same index) in a row are one fragment, merged.
+        calls: list[Any] = []
+        for fragment in a + b:
+            if calls and calls[-1].get("index") == fragment.get("index"):
+                calls[-1] = _join(calls[-1], fragment)
+            else:
+                calls.append(fragment)
+        return calls
     if isinstance(a, list) and isinstance(b, list) and key != "choices":
         return a + b
     if isinstance(a, list) and isinstance(b, list):
