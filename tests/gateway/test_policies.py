@@ -245,3 +245,90 @@ def test_prefix_moves_a_conversation_past_both_bounds() -> None:
 def test_the_prefix_slack_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="slack"):
         PrefixAffinity(slack=-1)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def converse(policy: PrefixAffinity, pool: list[WorkerState], key: str) -> WorkerState:
+    """A conversation's first two turns, each finished before the next."""
+    first = policy.select(ctx(pool, key))
+    assert policy.select(ctx(pool, key)) is first
+    return first
+
+
+def test_prefix_places_a_new_conversation_away_from_the_worker_holding_more() -> None:
+    """Between turns a conversation loads nothing, so the running requests
+    alone tied (or favoured the worker holding the most conversations) and
+    the bench split 128 turns 48/80; the conversations held count too."""
+    pool = workers(2)
+    policy = PrefixAffinity(clock=Clock())
+    busy = converse(policy, pool, "conversation 0")
+    other = next(w for w in pool if w is not busy)
+    for i in range(1, 4):  # three more on `busy`, however their keys hash
+        policy._placed[f"conversation {i}"] = busy.key
+        policy.select(ctx(pool, f"conversation {i}"))
+    assert policy.conversations(busy.key) == 4 and policy.conversations(other.key) == 0
+    other.in_flight = 2  # running now, but `busy` holds four users coming back
+    for i in range(20):
+        assert policy.select(ctx(pool, f"new {i}")) is other
+
+
+def test_prefix_spreads_conversations_evenly_whatever_their_keys_hash_to() -> None:
+    for trial in range(20):
+        pool = workers(2)
+        policy = PrefixAffinity(clock=Clock())
+        homes = collections.Counter(
+            converse(policy, pool, f"trial {trial} conversation {i}").key for i in range(8)
+        )
+        assert sorted(homes.values()) == [4, 4]
+
+
+def test_a_key_seen_once_is_not_counted_as_a_conversation() -> None:
+    """Single requests each bring their own key: counting them would place
+    by past requests, not by how busy the workers are now."""
+    pool = workers(2)
+    policy = PrefixAffinity(clock=Clock())
+    for i in range(10):
+        policy.select(ctx(pool, f"single {i}"))
+    assert policy.conversations(pool[0].key) == policy.conversations(pool[1].key) == 0
+    pool[0].in_flight = 3
+    assert all(policy.select(ctx(pool, f"later {i}")) is pool[1] for i in range(5))
+
+
+def test_a_conversation_stops_counting_once_its_user_has_gone() -> None:
+    clock = Clock()
+    pool = workers(2)
+    policy = PrefixAffinity(active_seconds=120, clock=clock)
+    home = converse(policy, pool, "conversation")
+    clock.now += 119
+    assert policy.conversations(home.key) == 1
+    assert policy.select(ctx(pool, "conversation")) is home  # a turn: counts anew
+    clock.now += 119
+    assert policy.conversations(home.key) == 1
+    clock.now += 2
+    assert policy.conversations(home.key) == 0
+    assert policy.select(ctx(pool, "conversation")) is home  # still placed there
+
+
+def test_a_moved_conversation_counts_on_its_new_worker() -> None:
+    pool = workers(2)
+    policy = PrefixAffinity(load_factor=1.25, slack=0, clock=Clock())
+    home = converse(policy, pool, "conversation")
+    other = next(w for w in pool if w is not home)
+    home.in_flight = 5  # past the bound: the next turn moves
+    assert policy.select(ctx(pool, "conversation")) is other
+    assert policy.conversations(home.key) == 0 and policy.conversations(other.key) == 1
+
+
+def test_prefix_remembers_a_bounded_number_of_conversations() -> None:
+    pool = workers(2)
+    policy = PrefixAffinity(remembered=3, clock=Clock())
+    for i in range(6):
+        converse(policy, pool, f"conversation {i}")
+    assert sum(policy.conversations(w.key) for w in pool) == 3
