@@ -10,8 +10,7 @@ bounded map (the memory of routing stays bounded whatever the traffic):
   its requests in flight from this gateway (exact, current) plus those of
   other gateways, as of its last heartbeat (``gateway.policies.least_load``);
 * ``prefix``: a session key or the conversation's start stays on the worker
-  it was placed on (the one with the least expected load: running requests
-  plus the conversations it holds; ties by rendezvous hashing), within a
+  it was placed on (the least loaded, ties by rendezvous hashing), within a
   load bound (a multiple of the mean, or a few requests over it), so a
   conversation's turns reach the same vLLM prefix cache
   (``gateway.policies.prefix``);

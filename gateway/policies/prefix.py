@@ -17,28 +17,20 @@ joins a running batch on its home costs that batch a little time per step
 docs/benchmarks.md). SGLang's gateway keeps cache affinity the same way
 until loads differ by an absolute and a relative threshold together.
 
-A new key is placed on the worker with the least expected load: the
-requests it runs now plus the conversations it holds (keys that came back
-at least once, the last time within ``ACTIVE_SECONDS``), ties broken by the
-requests it runs now, then by rendezvous hashing of (key, worker), so an
-idle pool places a key the same way in every gateway replica. The running
-requests alone are a poor guide at chat loads: most of a conversation's
-life is its user reading and typing, when it loads nothing, so placing by
-them alone put 80 of 128 turns on one of two workers in the ``multiturn``
-bench scenario (docs/benchmarks.md). A key seen once is not counted as a
-conversation: single requests (each its own key) would otherwise make the
-placement ignore how busy the workers are. Placements are kept per gateway
-process in a bounded LRU map (``REMEMBERED_KEYS``); a key forgotten is
-placed again like a new one.
+A new key is placed on the least loaded worker, ties broken by rendezvous
+hashing of (key, worker), so an idle pool places a key the same way in
+every gateway replica, and a few long conversations do not pile onto one
+worker as pure hashing would (measured on multi-turn chat with the
+``multiturn`` bench scenario: docs/benchmarks.md). Placements are kept per
+gateway process in a bounded LRU map (``REMEMBERED_KEYS``); a key forgotten
+is placed again like a new one.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-import time
-from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from gateway.policies import RoutingContext, load
@@ -49,9 +41,6 @@ if TYPE_CHECKING:
 
 # About 100 bytes each: a few MiB at most.
 REMEMBERED_KEYS = 65_536
-# A conversation whose last turn is older than this is taken to have ended
-# (its user gone) and no longer counts toward its worker's expected load.
-ACTIVE_SECONDS = 120.0
 
 
 def score(key: str, worker_id: str) -> int:
@@ -63,12 +52,7 @@ class PrefixAffinity:
     uses_key = True
 
     def __init__(
-        self,
-        load_factor: float = 1.25,
-        slack: int = 4,
-        remembered: int = REMEMBERED_KEYS,
-        active_seconds: float = ACTIVE_SECONDS,
-        clock: Callable[[], float] = time.monotonic,
+        self, load_factor: float = 1.25, slack: int = 4, remembered: int = REMEMBERED_KEYS
     ) -> None:
         if load_factor < 1.0:
             raise ValueError("the prefix policy's load factor must be >= 1")
@@ -78,14 +62,8 @@ class PrefixAffinity:
         self.slack = slack
         self.remembered = remembered
         self._fallback = LeastLoad()
-        self.active_seconds = active_seconds
-        self._clock = clock
         # key -> WorkerState.key of the worker it was placed on, oldest first.
         self._placed: OrderedDict[str, str] = OrderedDict()
-        # Conversations (keys that came back) -> (their worker, last turn's
-        # time), least recently used first, and how many each worker holds.
-        self._active: OrderedDict[str, tuple[str, float]] = OrderedDict()
-        self._conversations: Counter[str] = Counter()
 
     def bound(self, context: RoutingContext) -> int:
         """Most requests one worker may hold, counting the one being placed."""
@@ -94,55 +72,21 @@ class PrefixAffinity:
         over_mean = -(-total // workers) + self.slack  # ceil(mean) + slack, in integers
         return max(1, math.ceil(self.load_factor * total / workers), over_mean)
 
-    def conversations(self, worker_key: str) -> int:
-        """Conversations active on a worker: keys that came back, lately."""
-        self._expire(self._clock())
-        return self._conversations[worker_key]
-
     def select(self, context: RoutingContext) -> WorkerState:
         key = context.key
         if key is None:
             return self._fallback.select(context)
-        now = self._clock()
-        self._expire(now)
         bound = self.bound(context)
         home = self._placed.get(key)
         if home is not None:
             for worker in context.candidates:
                 if worker.key == home and load(worker) + 1 <= bound:
                     self._placed.move_to_end(key)
-                    self._touch(key, home, now)
                     return worker
         # New, forgotten, or its worker is gone or past the bound: place it.
-        held = self._conversations
-        chosen = min(
-            context.candidates,
-            key=lambda w: (load(w) + held[w.key], load(w), -score(key, w.key)),
-        )
+        chosen = min(context.candidates, key=lambda w: (load(w), -score(key, w.key)))
         self._placed[key] = chosen.key
         self._placed.move_to_end(key)
         if len(self._placed) > self.remembered:
             self._placed.popitem(last=False)
-        if home is not None:  # it came back: a conversation, now on `chosen`
-            self._touch(key, chosen.key, now)
         return chosen
-
-    def _touch(self, key: str, worker_key: str, now: float) -> None:
-        previous = self._active.pop(key, None)
-        if previous is not None:
-            self._conversations[previous[0]] -= 1
-        self._active[key] = (worker_key, now)
-        self._conversations[worker_key] += 1
-        if len(self._active) > self.remembered:
-            self._drop_oldest()
-
-    def _expire(self, now: float) -> None:
-        horizon = now - self.active_seconds
-        while self._active and next(iter(self._active.values()))[1] < horizon:
-            self._drop_oldest()
-
-    def _drop_oldest(self) -> None:
-        _, (worker_key, _) = self._active.popitem(last=False)
-        self._conversations[worker_key] -= 1
-        if not self._conversations[worker_key]:
-            del self._conversations[worker_key]
