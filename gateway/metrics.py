@@ -161,7 +161,7 @@ BATCH_JOBS = Gauge(
 
 WORKER_HEALTHY = Gauge(
     "llmgate_worker_healthy",
-    "1 while the worker's heartbeats arrive.",
+    "1 while the worker is healthy (heard from within --heartbeat-timeout, link up), else 0.",
     ["worker"],
     multiprocess_mode="mostrecent",
 )

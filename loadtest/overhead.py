@@ -7,7 +7,10 @@ is the proxy's own cost (vllm-router's method):
 * ``llmgate``: wrk -> ``llmgate gateway`` -> ZeroMQ -> ``worker.fake_engine``
   (the real worker loop around a FAKE engine that answers at once);
 * ``vllm-router``: wrk -> vllm-router (PyPI ``vllm-router``, from its own
-  virtualenv ``.venv-router``) -> ``loadtest.zero_cost_http``.
+  virtualenv ``.venv-router``) -> ``loadtest.zero_cost_http``;
+* ``llmgate-ipc`` (only when named in ``--targets``): as ``llmgate``, the
+  gateway and the worker linked by a Unix socket (``ipc://``) instead of
+  loopback TCP.
 
 Scenarios, each a wrk run of ``--duration`` seconds after ``--warmup``
 seconds not counted, repeated ``--repeats`` times with the targets
@@ -60,6 +63,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -78,7 +82,10 @@ from worker.fake_engine import TOKEN_TEXT
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_ROOT = ROOT / "loadtest" / "results"
-TARGETS = ("direct", "llmgate", "vllm-router")
+TARGETS = ("direct", "llmgate", "llmgate-ipc", "vllm-router")
+# llmgate-ipc: the same gateway and worker over a Unix socket (``ipc://``)
+# instead of loopback TCP; measured on request, not by default.
+DEFAULT_TARGETS = ("direct", "llmgate", "vllm-router")
 SCENARIO_NAMES = ("latency", "throughput", "stream")
 STARTUP_TIMEOUT = 60.0
 
@@ -717,29 +724,42 @@ def start_targets(
             url = f"http://127.0.0.1:{port}"
             await_ready("vllm-router", router, log, f"{url}/v1/models", STARTUP_TIMEOUT)
             targets["vllm-router"] = Target("vllm-router", url, backend.pid, router.pid)
-    if "llmgate" in names:
-        worker_address = f"tcp://127.0.0.1:{free_port()}"
-        log = out_dir / "fake-worker.log"
-        argv = pinned(plan.backend, [py, "-m", "worker.fake_engine", "--bind", worker_address])
-        worker = stack.enter_context(launched("fake-worker", argv, log, env, ROOT))
-        port = free_port()
-        log = out_dir / "gateway.log"
-        argv = pinned(
-            plan.proxy,
-            [py, "-m", "gateway.main", "--workers", worker_address, "--port", str(port)],
-        )
-        gateway = stack.enter_context(launched("llmgate", argv, log, env, ROOT))
-        url = f"http://127.0.0.1:{port}"
-        await_ready(
-            "llmgate",
-            gateway,
-            log,
-            f"{url}/ready",
-            STARTUP_TIMEOUT,
-            healthy_workers(1),
-        )
-        targets["llmgate"] = Target("llmgate", url, worker.pid, gateway.pid)
+    for name in ("llmgate", "llmgate-ipc"):
+        if name in names:
+            targets[name] = start_llmgate(stack, name, plan, out_dir, env)
     return targets
+
+
+def start_llmgate(
+    stack: contextlib.ExitStack,
+    name: str,
+    plan: CorePlan,
+    out_dir: Path,
+    env: dict[str, str],
+) -> Target:
+    """The gateway over one fake worker, linked by loopback TCP or a Unix socket."""
+    py = sys.executable
+    if name.endswith("-ipc"):
+        sockets = tempfile.mkdtemp(prefix="llmgate-overhead-")
+        stack.callback(shutil.rmtree, sockets, ignore_errors=True)
+        worker_address = f"ipc://{sockets}/worker.sock"
+    else:
+        worker_address = f"tcp://127.0.0.1:{free_port()}"
+    log = out_dir / f"fake-worker{name.removeprefix('llmgate')}.log"
+    argv = pinned(plan.backend, [py, "-m", "worker.fake_engine", "--bind", worker_address])
+    worker = stack.enter_context(
+        launched(f"fake-worker{name.removeprefix('llmgate')}", argv, log, env, ROOT)
+    )
+    port = free_port()
+    log = out_dir / f"gateway{name.removeprefix('llmgate')}.log"
+    argv = pinned(
+        plan.proxy,
+        [py, "-m", "gateway.main", "--workers", worker_address, "--port", str(port)],
+    )
+    gateway = stack.enter_context(launched(name, argv, log, env, ROOT))
+    url = f"http://127.0.0.1:{port}"
+    await_ready(name, gateway, log, f"{url}/ready", STARTUP_TIMEOUT, healthy_workers(1))
+    return Target(name, url, worker.pid, gateway.pid)
 
 
 def measure(
@@ -884,7 +904,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--connections", type=int, default=64, help="for throughput and stream")
     parser.add_argument("--stream-tokens", type=int, default=64, help="tokens per streamed answer")
-    parser.add_argument("--targets", default=",".join(TARGETS), help="comma-separated")
+    parser.add_argument(
+        "--targets",
+        default=",".join(DEFAULT_TARGETS),
+        help=f"comma-separated, of: {', '.join(TARGETS)}",
+    )
     parser.add_argument("--scenarios", default=",".join(SCENARIO_NAMES), help="comma-separated")
     parser.add_argument(
         "--router-bin",

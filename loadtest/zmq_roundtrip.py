@@ -10,6 +10,7 @@ trip is what the gateway -> worker -> gateway hop costs before either side
 does any work::
 
     .venv/bin/python -m loadtest.zmq_roundtrip --messages 20000
+    .venv/bin/python -m loadtest.zmq_roundtrip --transport ipc   # a Unix socket
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import uvloop
 import zmq
 
+from shared.ports import free_port
 from shared.zmqio import Reader
 
 PAYLOAD = b"x" * 200  # about a Generate message for a short prompt
@@ -87,13 +90,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=1_000)
     parser.add_argument("--client-core", type=int, default=1)
     parser.add_argument("--server-core", type=int, default=0)
-    parser.add_argument("--port", type=int, default=47_999)
+    parser.add_argument("--transport", choices=("tcp", "ipc"), default="tcp")
+    parser.add_argument("--port", type=int, help="tcp's port (default: a free one)")
     parser.add_argument("--serve", help=argparse.SUPPRESS)  # the echo process
     args = parser.parse_args(argv)
     if args.serve:
         uvloop.run(_echo(args.serve))
         return
-    address = f"tcp://127.0.0.1:{args.port}"
+    if args.transport == "ipc":
+        address = f"ipc://{tempfile.mkdtemp(prefix='llmgate-rt-')}/echo.sock"
+    else:
+        address = f"tcp://127.0.0.1:{args.port or free_port()}"
     cores = os.cpu_count() or 1
     pin = cores > max(args.client_core, args.server_core)
     echo_argv = [sys.executable, "-m", "loadtest.zmq_roundtrip", "--serve", address]
@@ -108,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
         echo.wait(timeout=10)
     micros = sorted(t * 1e6 for t in times)
     print(
-        f"ZeroMQ round trip, {len(micros)} messages of {len(PAYLOAD)} bytes, one in flight"
+        f"ZeroMQ round trip over {args.transport}, {len(micros)} messages"
+        f" of {len(PAYLOAD)} bytes, one in flight"
         f"{f' (client core {args.client_core}, echo core {args.server_core})' if pin else ''}: "
         f"mean {statistics.fmean(micros):.0f} us, p50 {micros[len(micros) // 2]:.0f} us, "
         f"p99 {micros[int(len(micros) * 0.99)]:.0f} us"

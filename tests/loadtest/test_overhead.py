@@ -11,6 +11,7 @@ The measuring itself is a run of ``python -m loadtest.overhead``, not a test.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -442,3 +443,19 @@ def test_many_concurrent_requests_all_complete(fake_gateway: Served) -> None:
     responses = asyncio.run(many())
     assert all(r.status_code == 200 for r in responses)
     assert all(r.json()["choices"][0]["text"] == TOKEN_TEXT * 2 for r in responses)
+
+
+def test_the_ipc_target_links_gateway_and_worker_by_a_unix_socket(tmp_path: Path) -> None:
+    """``--targets ...,llmgate-ipc``: the same hop over ``ipc://``, its socket
+    removed when the harness stops."""
+    plan = overhead.plan_cores(sorted(os.sched_getaffinity(0)))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with contextlib.ExitStack() as stack:
+        target = overhead.start_llmgate(stack, "llmgate-ipc", plan, tmp_path, env)
+        overhead.check_answer(target.url, Scenario("stream", 1, True, 3))
+        metrics = httpx.get(f"{target.url}/metrics", timeout=10).text
+        (line,) = [m for m in metrics.splitlines() if m.startswith("llmgate_worker_healthy{")]
+        address = line.split('worker="', 1)[1].split('"', 1)[0]
+        socket_path = Path(address.removeprefix("ipc://"))
+        assert address.startswith("ipc://") and socket_path.is_socket(), line
+    assert not socket_path.parent.exists()
