@@ -745,13 +745,12 @@ def start_llmgate(
         worker_address = f"ipc://{sockets}/worker.sock"
     else:
         worker_address = f"tcp://127.0.0.1:{free_port()}"
-    log = out_dir / f"fake-worker{name.removeprefix('llmgate')}.log"
+    suffix = name.removeprefix("llmgate")  # "" or "-ipc": names its logs
+    log = out_dir / f"fake-worker{suffix}.log"
     argv = pinned(plan.backend, [py, "-m", "worker.fake_engine", "--bind", worker_address])
-    worker = stack.enter_context(
-        launched(f"fake-worker{name.removeprefix('llmgate')}", argv, log, env, ROOT)
-    )
+    worker = stack.enter_context(launched(f"fake-worker{suffix}", argv, log, env, ROOT))
     port = free_port()
-    log = out_dir / f"gateway{name.removeprefix('llmgate')}.log"
+    log = out_dir / f"gateway{suffix}.log"
     argv = pinned(
         plan.proxy,
         [py, "-m", "gateway.main", "--workers", worker_address, "--port", str(port)],
