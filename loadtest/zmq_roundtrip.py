@@ -97,8 +97,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.serve:
         uvloop.run(_echo(args.serve))
         return
-    sockets = tempfile.TemporaryDirectory(prefix="llmgate-rt-")  # ipc's socket, removed at exit
     if args.transport == "ipc":
+        # The socket's directory, removed when this process exits.
+        sockets = tempfile.TemporaryDirectory(prefix="llmgate-rt-")
         address = f"ipc://{sockets.name}/echo.sock"
     else:
         address = f"tcp://127.0.0.1:{args.port or free_port()}"

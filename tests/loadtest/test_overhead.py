@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest import overhead
 from loadtest.overhead import CorePlan, Run, Scenario, Spread
@@ -454,8 +455,14 @@ def test_the_ipc_target_links_gateway_and_worker_by_a_unix_socket(tmp_path: Path
         target = overhead.start_llmgate(stack, "llmgate-ipc", plan, tmp_path, env)
         overhead.check_answer(target.url, Scenario("stream", 1, True, 3))
         metrics = httpx.get(f"{target.url}/metrics", timeout=10).text
-        (line,) = [m for m in metrics.splitlines() if m.startswith("llmgate_worker_healthy{")]
-        address = line.split('worker="', 1)[1].split('"', 1)[0]
+        (healthy,) = [
+            sample
+            for family in text_string_to_metric_families(metrics)
+            for sample in family.samples
+            if sample.name == "llmgate_worker_healthy"
+        ]
+        address = healthy.labels["worker"]
         socket_path = Path(address.removeprefix("ipc://"))
-        assert address.startswith("ipc://") and socket_path.is_socket(), line
+        assert address.startswith("ipc://") and socket_path.is_socket(), healthy
+        assert healthy.value == 1
     assert not socket_path.parent.exists()
