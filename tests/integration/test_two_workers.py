@@ -345,11 +345,7 @@ def test_a_hung_worker_is_marked_down_and_rejoins(two: Served) -> None:
     # running, it could finish every request while the worker's loop is
     # stopped, and the resumed worker would find nothing left to abort.
     hung = [victim, *victim.children(recursive=True)]
-    log_start = two.log_path.stat().st_size
     body = {"model": MODEL, "max_tokens": 48, "ignore_eos": True}
-
-    def since_stop() -> str:
-        return two.log_path.read_bytes()[log_start:].decode(errors="replace")
 
     async def run() -> tuple[list[Stream], list[httpx.Response], float]:
         async with httpx.AsyncClient(
@@ -404,7 +400,24 @@ def test_a_hung_worker_is_marked_down_and_rejoins(two: Served) -> None:
                     proc.resume()
             return list(done[0]), list(done[1]), detected
 
-    streams, whole, detected_s = asyncio.run(run())
+    log_start = 0
+
+    def since_stop() -> str:
+        return two.log_path.read_bytes()[log_start:].decode(errors="replace")
+
+    for _ in range(3):
+        log_start = two.log_path.stat().st_size
+        streams, whole, detected_s = asyncio.run(run())
+        # The gateway counted 4 on it a moment before the stop; on a slow
+        # machine all of them can end in that moment, and a worker stopped
+        # with nothing of ours has nothing to drop once resumed. The gateway
+        # says what it cut or re-sent when it lost the worker: then it held some.
+        if "the worker was lost: silent" in since_stop():
+            break
+        print("every request on the victim ended before the stop; again")
+        wait_healthy(two, victim_address, timeout=60)
+    else:
+        raise AssertionError(f"3 stops, none while the victim ran a request\n{two.log_tail()}")
     # Marked down for its silence (no connection dropped: it was only stopped),
     # within the heartbeat timeout (3 s) plus a ping period and some slack. No
     # lower bound: the silence counts from its last heartbeat, which came up
