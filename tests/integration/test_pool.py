@@ -23,10 +23,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import MODEL, Served, start_gateway, stop_serve
 from tests.integration.streams import TOKENS_SHOWN, Stream
 
+# A request that runs for minutes on this CPU (4,000 tokens: over 5), so
+# that a test's action (a disconnect, an abort, a deadline) lands while it
+# runs even when the machine stalls the test for a while.
 LONG = {
     "model": MODEL,
     "prompt": "Tell me a very long story.",
-    "max_tokens": 2000,
+    "max_tokens": 4000,
     "ignore_eos": True,
 }
 
@@ -128,7 +131,7 @@ def test_client_disconnect_mid_stream_stops_the_engine_work(served: Served) -> N
         for _ in range(5):
             next(chunks)  # tokens: the worker is running it
     # The connection is closed: the gateway aborts, the engine drops the request
-    # (2,000 tokens would take minutes to finish on their own).
+    # (LONG would take minutes to finish on its own).
     served.wait_for_log(aborted(rid), timeout=60)
     wait_for(lambda: worker_running(served) == 0, timeout=60, show=served.log_tail)
 
@@ -301,7 +304,7 @@ def test_request_timeout_header_aborts_with_504(served: Served) -> None:
     )
     assert response.status_code == 504
     assert response.json()["error"]["type"] == "timeout"
-    # Ended at its deadline, not at its end (2,000 tokens take over a minute here).
+    # Ended at its deadline, not at its end (minutes away).
     assert time.monotonic() - started < 30
     wait_for(lambda: worker_running(served) == 0, timeout=60, show=served.log_tail)
 
