@@ -35,7 +35,7 @@ LONG = {
 
 
 def metric(base_url: str, name: str, **labels: str) -> float | None:
-    text = httpx.get(f"{base_url}/metrics", timeout=5).text
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
@@ -432,7 +432,7 @@ def test_requests_for_unserved_models_share_one_metrics_label(served: Served) ->
             f"{served.base_url}/v1/completions", json={"model": name, "prompt": "Hi"}, timeout=10
         )
         assert response.status_code == 404
-    text = httpx.get(f"{served.base_url}/metrics", timeout=5).text
+    text = httpx.get(f"{served.base_url}/metrics", timeout=30).text
     assert not any(name in text for name in names)
     unknown = metric(
         served.base_url,
@@ -481,7 +481,7 @@ def test_several_gateway_processes_share_the_port_and_the_metrics(gateway: Serve
 
 def test_the_worker_serves_vllms_own_metrics(served: Served) -> None:
     url = f"http://127.0.0.1:{served.worker_metrics_port}/metrics"
-    before = httpx.get(url, timeout=5).text
+    before = httpx.get(url, timeout=30).text
     assert "vllm:num_requests_running" in before
     response = httpx.post(
         f"{served.base_url}/v1/completions",
@@ -497,4 +497,4 @@ def test_the_worker_serves_vllms_own_metrics(served: Served) -> None:
                     return float(sample.value)
         return 0.0
 
-    assert generated(httpx.get(url, timeout=5).text) >= generated(before) + 3
+    assert generated(httpx.get(url, timeout=30).text) >= generated(before) + 3
