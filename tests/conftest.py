@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from shared.ports import free_port, free_port_range
+from tests.stall_watch import StallWatch, report
 
 MODEL = "smollm2-135m-instruct"
 STARTUP_TIMEOUT = 300.0
@@ -167,3 +168,15 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 @pytest.fixture(scope="session")
 def base_url(served: Served) -> str:
     return served.base_url
+
+
+_watch = StallWatch()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    """A failed test's report says what the machine did meanwhile (tests/stall_watch.py)."""
+    outcome = yield
+    result = outcome.get_result()
+    if result.failed:
+        result.sections.append(("machine", report(_watch, call.start, call.stop)))

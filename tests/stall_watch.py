@@ -1,0 +1,97 @@
+"""What the machine did while a test failed: stalls of the test process, load, busiest processes.
+
+CI runs have failed in ways no local run reproduced, whose logs show the
+test process acting minutes later than the system it tested. A daemon thread
+here wakes every half second; a wake-up far later than asked means this
+process (or the whole machine) did not run meanwhile. A failed test's report
+gets a section listing the stalls during it, the machine's load then, and
+the processes that used the most CPU just after it failed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+INTERVAL = 0.5
+# Seconds later than asked that count as a stall.
+LATE = 2.0
+
+
+@dataclass(frozen=True)
+class Stall:
+    ended: float  # wall clock
+    seconds: float
+    load: str
+
+    def __str__(self) -> str:
+        clock = time.strftime("%H:%M:%S", time.gmtime(self.ended))
+        return f"{clock} UTC: {self.seconds:.1f} s late; {self.load}"
+
+
+def machine_load() -> str:
+    """Load averages and the CPU pressure (share of time some task waited for a core)."""
+    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    try:
+        some = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+        pressure = some.split()[1]  # avg10=...
+    except (OSError, IndexError):
+        pressure = "avg10=?"
+    return f"load {load}, CPU pressure {pressure}"
+
+
+class StallWatch:
+    def __init__(self) -> None:
+        self._stalls: list[Stall] = []
+        threading.Thread(target=self._run, name="stall-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while True:
+            time.sleep(INTERVAL)
+            now = time.monotonic()
+            late = now - last - INTERVAL
+            last = now
+            if late > LATE:
+                self._stalls.append(Stall(time.time(), late, machine_load()))
+
+    def between(self, start: float, stop: float) -> list[Stall]:
+        """Stalls that ended between two wall-clock times."""
+        return [s for s in self._stalls if start <= s.ended <= stop + INTERVAL + LATE]
+
+
+def busiest(sample: float = 0.5, top: int = 8) -> list[str]:
+    """The processes that used the most CPU over ``sample`` seconds, now."""
+    before: dict[int, tuple[psutil.Process, float]] = {}
+    for proc in psutil.process_iter():
+        try:
+            times = proc.cpu_times()
+            before[proc.pid] = (proc, times.user + times.system)
+        except psutil.Error:
+            pass
+    time.sleep(sample)
+    used = []
+    for proc, was in before.values():
+        try:
+            times = proc.cpu_times()
+            share = (times.user + times.system - was) / sample
+            used.append((share, proc.pid, " ".join(proc.cmdline())[:120] or proc.name()))
+        except psutil.Error:
+            pass
+    used.sort(reverse=True)
+    return [f"{share:4.0%} {pid} {cmd}" for share, pid, cmd in used[:top]]
+
+
+def report(watch: StallWatch, start: float, stop: float) -> str:
+    stalls = watch.between(start, stop)
+    lines = [f"now: {machine_load()}"]
+    lines.append(
+        "stalls of the test process during the test: "
+        + ("none" if not stalls else "\n  " + "\n  ".join(map(str, stalls)))
+    )
+    lines.append("busiest processes just after it failed:\n  " + "\n  ".join(busiest()))
+    return "\n".join(lines)
