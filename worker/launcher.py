@@ -48,6 +48,7 @@ import psutil
 from shared import config as pools_config
 from shared import settings
 from shared.logs import setup_logging
+from worker import rpc_dir
 
 log = logging.getLogger("llmgate.launcher")
 
@@ -66,11 +67,23 @@ class Child:
     restarts: int = 0
     next_start: float = 0.0
     backoff: float = field(default=1.0)
+    # A worker's vLLM IPC sockets go in a directory of its own, removed once
+    # it exits (worker.rpc_dir).
+    own_rpc_dir: bool = False
+    rpc_dir: str | None = None
 
     def start(self) -> None:
         log.info("starting %s: %s", self.name, " ".join(self.argv))
-        self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
+        env = dict(self.env)
+        if self.own_rpc_dir:
+            self.rpc_dir = rpc_dir.make(env, self.name)
+        self.proc = subprocess.Popen(self.argv, env=env, start_new_session=True)
         self.started_at = time.monotonic()
+
+    def remove_rpc_dir(self) -> None:
+        """Once it and its processes are gone."""
+        rpc_dir.remove(self.rpc_dir)
+        self.rpc_dir = None
 
     def signal(self, sig: int) -> None:
         """Signal the child's main process only (it drains, then stops its own children)."""
@@ -239,7 +252,7 @@ def _worker_child(
         # vLLM's own spans, in the trace the gateway starts for each request.
         argv += ["--otlp-traces-endpoint", serve.otlp_endpoint]
     argv += engine_args
-    return Child(name=f"worker-{index}", argv=argv, env=env)
+    return Child(name=f"worker-{index}", argv=argv, env=env, own_rpc_dir=True)
 
 
 def _gateway_child(serve: settings.ServeSettings, num_workers: int) -> Child:
@@ -366,6 +379,7 @@ class Supervisor:
             child.next_start = now + child.backoff
             child.proc = None
             self._reap_orphans()
+            child.remove_rpc_dir()
             log.warning(
                 "%s exited with %s after %.0fs; restart %d in %.0fs",
                 child.name,
@@ -397,6 +411,8 @@ class Supervisor:
         leftovers = psutil.Process().children(recursive=True)
         if leftovers:
             kill_and_reap(leftovers, grace=5.0)
+        for child in self.children:
+            child.remove_rpc_dir()
         log.info("all processes stopped")
 
 

@@ -15,6 +15,7 @@ import sys
 
 from shared import settings
 from shared.logs import setup_logging
+from worker import rpc_dir
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,16 @@ def apply_embedded_model_defaults(namespace: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
+    # Before vLLM reads its settings: its IPC sockets in a directory of our
+    # own (worker.rpc_dir); the launcher gives its workers one already.
+    own_rpc_dir = rpc_dir.make(os.environ, "worker")
+    try:
+        _main(argv)
+    finally:
+        rpc_dir.remove(own_rpc_dir)
+
+
+def _main(argv: list[str] | None) -> None:
     parser = build_parser()
     namespace = parser.parse_args(argv)
     worker_settings = settings.from_namespace(settings.WorkerSettings, namespace)

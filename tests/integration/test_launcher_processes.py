@@ -60,6 +60,9 @@ def test_crashed_worker_is_restarted_and_stop_leaves_no_process(tmp_path: Path) 
         assert complete(served.base_url).status_code == 200
 
         old_worker = roles["worker"]
+        # vLLM's IPC sockets are in a directory of the worker's own.
+        old_rpc_dir = Path(old_worker.environ()["VLLM_RPC_BASE_PATH"])
+        assert any(f.is_socket() for f in old_rpc_dir.iterdir()), list(old_rpc_dir.iterdir())
         old_worker.send_signal(signal.SIGKILL)
         # While the worker is gone nothing hangs: requests fail fast or succeed.
         started = time.monotonic()
@@ -80,6 +83,10 @@ def test_crashed_worker_is_restarted_and_stop_leaves_no_process(tmp_path: Path) 
         roles = children_by_role(launcher.pid)
         assert roles["worker"].pid != old_worker.pid
         assert roles["gateway"].pid == gateway_pid
+        # The killed worker's sockets went with it; the new one has its own.
+        assert not old_rpc_dir.exists()
+        rpc_dir = Path(roles["worker"].environ()["VLLM_RPC_BASE_PATH"])
+        assert rpc_dir != old_rpc_dir and rpc_dir.is_dir()
 
         everything = [launcher, *launcher.children(recursive=True)]
     except BaseException:
@@ -96,3 +103,4 @@ def test_crashed_worker_is_restarted_and_stop_leaves_no_process(tmp_path: Path) 
         except psutil.NoSuchProcess:
             pass
     assert not alive, f"left behind: {[(p.pid, p.name()) for p in alive]}"
+    assert not rpc_dir.exists(), list(rpc_dir.iterdir())
