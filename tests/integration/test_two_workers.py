@@ -210,23 +210,26 @@ def test_killing_a_worker_while_32_clients_stream(two: Served) -> None:
         async with httpx.AsyncClient(
             base_url=two.base_url, timeout=90, limits=httpx.Limits(max_connections=64)
         ) as client:
-            tasks = [asyncio.ensure_future(stream(client, i)) for i in range(32)]
-            # Non-streaming requests send nothing before they finish, so those
-            # on the killed worker are retried on the other one.
-            whole = [
-                asyncio.ensure_future(
-                    client.post(
-                        "/v1/completions",
-                        json={
-                            "model": MODEL,
-                            "prompt": f"Whole {i}:",
-                            "max_tokens": 48,
-                            "ignore_eos": True,
-                        },
-                    )
+            tasks: list[asyncio.Future[tuple[Stream, float]]] = []
+            whole: list[asyncio.Future[httpx.Response]] = []
+
+            def wave() -> None:
+                """32 streams and 8 whole requests: non-streaming requests send
+                nothing before they finish, so those on the killed worker are
+                retried on the other one."""
+                first = len(tasks)
+                tasks.extend(
+                    asyncio.ensure_future(stream(client, i)) for i in range(first, first + 32)
                 )
-                for i in range(8)
-            ]
+                body = {"model": MODEL, "max_tokens": 48, "ignore_eos": True}
+                whole.extend(
+                    asyncio.ensure_future(
+                        client.post("/v1/completions", json={**body, "prompt": f"Whole {i}:"})
+                    )
+                    for i in range(len(whole), len(whole) + 8)
+                )
+
+            wave()
             # Kill it once it streams to some clients (and some requests still
             # wait). Should a wave end with fewer streams from it (a busy
             # machine can starve its front end past --heartbeat-timeout while
@@ -241,10 +244,7 @@ def test_killing_a_worker_while_32_clients_stream(two: Served) -> None:
                     break
                 streaming.cancel()
                 print("a wave of streams ended with fewer than 4 from the victim; another")
-                first = len(tasks)
-                tasks += [
-                    asyncio.ensure_future(stream(client, i)) for i in range(first, first + 32)
-                ]
+                wave()
             else:
                 raise AssertionError(f"4 waves, never 4 streams from the victim\n{two.log_tail()}")
             killed_at = time.monotonic()
