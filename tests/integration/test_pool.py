@@ -35,7 +35,11 @@ LONG = {
 
 
 def metric(base_url: str, name: str, **labels: str) -> float | None:
-    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    return value_in(httpx.get(f"{base_url}/metrics", timeout=30).text, name, **labels)
+
+
+def value_in(text: str, name: str, **labels: str) -> float | None:
+    """The value of sample ``name`` with ``labels`` in a Prometheus page; None if absent."""
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
@@ -101,10 +105,8 @@ async def in_flight_reaches(client: httpx.AsyncClient, count: int) -> None:
     """Until the gateway of ``client`` counts ``count`` requests in flight."""
     while True:
         text = (await client.get("/metrics")).text
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "llmgate_requests_in_flight" and sample.value >= count:
-                    return
+        if (value_in(text, "llmgate_requests_in_flight") or 0) >= count:
+            return
         await asyncio.sleep(0.1)
 
 
