@@ -99,6 +99,10 @@ class RequestHandle:
         self.started = time.monotonic()
         # Set once the worker has sent its last item (nothing to abort).
         self.finished = False
+        # Set once its first delta is going out to the client as a stream: it
+        # can no longer be retried elsewhere, so a worker that falls silent is
+        # waited for (--stall-timeout) rather than given up at once.
+        self.streaming = False
         self._inbox = Inbox()
         self._release = release
         self._timer = (

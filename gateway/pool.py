@@ -191,7 +191,7 @@ class Pool:
         worker.in_flight -= 1
         metrics.IN_FLIGHT.dec()
         worker.in_flight_gauge.dec()
-        if not handle.finished and worker.healthy:
+        if not handle.finished and (worker.healthy or worker.stalled):
             worker.link.send(protocol.Abort(request_ids=[handle.request_id]))
         # Only whole requests tell the pool how long one takes (not aborts).
         took = time.monotonic() - handle.started if handle.finished else None
@@ -212,11 +212,24 @@ class Pool:
             if handle is not None and handle.worker.link is link:
                 handle.deliver(message)
 
-    def _fail_requests(self, worker: WorkerState, reason: str) -> None:
+    def _fail_requests(
+        self, worker: WorkerState, reason: str, keep_streams: bool
+    ) -> tuple[list[str], int]:
+        """Fail the worker's requests (the API retries those it can); which ids
+        failed, and how many streams under way were kept (``keep_streams``:
+        they wait for a worker that may only be stalled)."""
+        failed: list[str] = []
+        kept = 0
         for request_id in list(worker.requests):
             handle = self.pending.get(request_id)
-            if handle is not None and not handle.finished:
-                handle.deliver(WorkerLost(reason))
+            if handle is None or handle.finished:
+                continue
+            if keep_streams and handle.streaming:
+                kept += 1
+                continue
+            handle.deliver(WorkerLost(reason))
+            failed.append(request_id)
+        return failed, kept
 
 
 def _worker_addresses(settings: GatewaySettings, models: Models) -> str:

@@ -2,15 +2,21 @@
 
 A worker is *healthy* while its heartbeats keep coming. It stops being so
 when it sends nothing at all (heartbeats or output) for
-``--heartbeat-timeout`` (a hung or partitioned worker) or at once when its
-TCP connection drops (a crashed one). Silence is judged only after reading
-what waits on the link, and not on a tick that came late (the gateway itself
-was paused or starved). Its heartbeat says which models it serves, how
-many requests it takes at once and how many other gateways give it, and its
-incarnation: a new incarnation means the process restarted and whatever we
-had in flight there is gone. Either way
-``on_lost`` is called, and the pool fails that worker's requests (the API
-retries those that sent nothing to the client yet).
+``--heartbeat-timeout`` (hung, partitioned, or only starved of CPU for a
+while) or at once when its TCP connection drops (a crashed one). Silence is
+judged only after reading what waits on the link, and not on a tick that
+came late (the gateway itself was paused or starved). Its heartbeat says
+which models it serves, how many requests it takes at once and how many
+other gateways give it, and its incarnation: a new incarnation means the
+process restarted and whatever we had in flight there is gone.
+
+A lost worker's requests are failed through ``on_lost`` (the API retries
+those that sent nothing to the client yet), with one exception: a worker
+that is only silent may be *stalled*, not gone, and a stream already under
+way cannot move, so such streams wait for it up to ``--stall-timeout``
+(its connection dropping or a restart ends the wait at once). A worker heard
+from again in time is healthy again and those streams carry on, every token
+delivered, since the link lost none.
 """
 
 from __future__ import annotations
@@ -58,6 +64,9 @@ class WorkerState:
     reasoning_parser: bool = False
     # No longer listed by DNS: closed once idle.
     retired: bool = False
+    # Marked down for its silence, its streams under way waiting for it
+    # (--stall-timeout): it may yet speak again.
+    stalled: bool = False
     # Set from the link; plain attributes, not properties: read several times
     # per request. ``key``: stable name for hashing (prefix policy) and metrics.
     address: str = field(init=False)
@@ -77,7 +86,7 @@ class Workers:
         settings: GatewaySettings,
         gateway_id: str,
         on_message: OnMessage,
-        on_lost: Callable[[WorkerState, str], None],
+        on_lost: Callable[[WorkerState, str, bool], tuple[list[str], int]],
         on_up: Callable[[], None],
     ) -> None:
         self.settings = settings
@@ -170,7 +179,13 @@ class Workers:
             return
         if worker.incarnation and beat.incarnation != worker.incarnation:
             log.warning("worker %s restarted (new incarnation)", worker.address)
-            self._on_lost(worker, "the worker restarted")
+            worker.stalled = False
+            self._on_lost(worker, "the worker restarted", False)
+        elif worker.stalled:
+            log.warning(
+                "worker %s speaks again: the streams that waited for it carry on", worker.address
+            )
+            worker.stalled = False
         worker.pool = beat.pool or self.pool_of_address.get(worker.address, "")
         if not worker.healthy:
             log.info(
@@ -212,22 +227,40 @@ class Workers:
 
     def _on_disconnect(self, link: WorkerLink) -> None:
         worker = self.by_address.get(link.address)
-        if worker is not None and worker.link is link and worker.healthy:
+        if worker is not None and worker.link is link and (worker.healthy or worker.stalled):
             self.lose(worker, "its connection dropped")
 
     # -- liveness ----------------------------------------------------------
 
-    def lose(self, worker: WorkerState, reason: str) -> None:
+    def lose(self, worker: WorkerState, reason: str, silent: bool = False) -> None:
+        """Take ``worker`` out of service and fail its requests.
+
+        ``silent``: it is only silent, and may be stalled rather than gone:
+        its streams already under way wait for it (``--stall-timeout``).
+        """
         if worker.healthy:
             log.warning("worker %s lost: %s", worker.address, reason)
+        elif worker.stalled:
+            log.warning(
+                "worker %s: the streams that waited for it end (%s)", worker.address, reason
+            )
         worker.healthy = False
         metrics.WORKER_HEALTHY.labels(worker.key).set(0)
-        if worker.requests:
+        keep_streams = silent and self.settings.stall_timeout > self.settings.heartbeat_timeout
+        failed, kept = self._on_lost(worker, f"the worker was lost: {reason}", keep_streams)
+        if failed:
             # A hung worker (stopped, overloaded, partitioned) may come back:
             # it must then drop what it ran for us, which went elsewhere or
             # ended in an error. A crashed one never reads this.
-            worker.link.send(protocol.Abort(request_ids=list(worker.requests)))
-        self._on_lost(worker, f"the worker was lost: {reason}")
+            worker.link.send(protocol.Abort(request_ids=failed))
+        worker.stalled = kept > 0
+        if kept:
+            log.warning(
+                "worker %s: %d streams under way there wait for it, up to --stall-timeout %gs",
+                worker.address,
+                kept,
+                self.settings.stall_timeout,
+            )
         if not self.healthy():
             self._any_healthy.clear()
 
@@ -248,12 +281,14 @@ class Workers:
             late = now - last_tick > 2 * interval + 1.0
             last_tick = now
             for worker in list(self.by_address.values()):
-                if worker.healthy and not late:
+                if (worker.healthy or worker.stalled) and not late:
                     # Timers run before I/O in a loop turn: read what waits first.
                     worker.link.read_ready()
                     heard = max(worker.last_heartbeat, worker.link.last_received)
                     silent = now - heard
-                    if silent > self.settings.heartbeat_timeout:
+                    if worker.healthy and silent > self.settings.heartbeat_timeout:
+                        self.lose(worker, f"silent for {silent:.1f}s", silent=True)
+                    elif worker.stalled and silent > self.settings.stall_timeout:
                         self.lose(worker, f"silent for {silent:.1f}s")
                 if worker.retired and not worker.requests:
                     await self._remove(worker)

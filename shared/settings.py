@@ -85,6 +85,15 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
         float,
         _help("seconds a worker may send nothing (heartbeats, output) before it is marked down"),
     ] = 3.0
+    stall_timeout: Annotated[
+        float,
+        _help(
+            "seconds of silence a worker's streams already under way wait out: marked down "
+            "after --heartbeat-timeout, it may only be stalled, and heard from again in time "
+            "its streams carry on whole; past this they end with an error event (at or below "
+            "--heartbeat-timeout: when it is marked down)"
+        ),
+    ] = 30.0
     request_timeout: Annotated[
         float, _help("seconds a request may run before it is aborted with 504 (0 = no limit)")
     ] = 600.0

@@ -283,6 +283,7 @@ class Call:
             try:
                 first = await handle.next()
                 if isinstance(first, protocol.Delta):
+                    handle.streaming = True
                     break
                 self._retry_or_raise(handle, first)
             finally:

@@ -1,4 +1,5 @@
-"""gateway/workers.py's monitor: a worker is lost for its silence, and only for its own.
+"""gateway/workers.py's monitor: a worker is lost for its silence, and only for its own;
+a silent worker's streams under way wait for it up to --stall-timeout.
 
 The CI run of 2026-11-25 failed in the hung-worker test with every request
 on the other worker; one way there is a gateway that judges a worker silent
@@ -15,6 +16,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from gateway.handle import RequestHandle, WorkerLost
+from gateway.pool import Pool
 from gateway.workers import Workers, WorkerState
 from shared import protocol
 from shared.settings import GatewaySettings
@@ -54,7 +57,7 @@ def workers() -> Iterator[Workers]:
         GatewaySettings(heartbeat_interval=1.0, heartbeat_timeout=3.0),
         "gw",
         on_message=lambda link, message: None,
-        on_lost=lambda worker, reason: None,
+        on_lost=lambda worker, reason, keep_streams: ([], 0),
         on_up=lambda: None,
     )
     yield pool
@@ -132,3 +135,132 @@ def test_a_worker_sending_output_lives_though_its_heartbeat_is_late(
     assert state.healthy
     run_monitor(workers, clock, [1.0] * 4)  # and then nothing more: lost
     assert not state.healthy
+
+
+# -- a stalled worker's streams (--stall-timeout) ------------------------------
+
+
+async def tick(workers: Workers, clock: Clock, steps: list[float]) -> None:
+    """The monitor, one tick per step, inside a running loop (the pool's handles need one)."""
+    clock.steps = iter(steps)
+    with pytest.raises(Stop):
+        await workers.monitor()
+
+
+async def stalled_pool(
+    settings: GatewaySettings,
+) -> tuple[Pool, WorkerState, RequestHandle, RequestHandle, Callable[[], None]]:
+    """A pool with one worker running two requests for us: a stream whose first
+    token went out to its client, and a request that sent nothing yet."""
+    pool = Pool(settings)
+    link = Link(address="tcp://a:5550", sent=[], waiting=[], last_received=0.0)
+    state = WorkerState(link=link)  # type: ignore[arg-type]
+    pool.workers.by_address[state.address] = state
+
+    def beat() -> None:
+        pool.workers.on_heartbeat(state, protocol.Heartbeat("a", "one", ["m"], capacity=8))
+
+    beat()
+    stream = await pool.submit("stream", "completion", "m", {}, 0.0)
+    stream.streaming = True  # as gateway.api.call marks it once the stream starts
+    waiting = await pool.submit("waiting", "completion", "m", {}, 0.0)
+    return pool, state, stream, waiting, beat
+
+
+def aborted(state: WorkerState) -> list[str]:
+    sent = state.link.sent  # type: ignore[attr-defined]
+    return [rid for m in sent if isinstance(m, protocol.Abort) for rid in m.request_ids]
+
+
+def settings(stall_timeout: float = 30.0) -> GatewaySettings:
+    return GatewaySettings(
+        heartbeat_interval=1.0, heartbeat_timeout=3.0, stall_timeout=stall_timeout
+    )
+
+
+def test_a_stalled_worker_keeps_its_streams_and_they_carry_on(clock: Clock) -> None:
+    async def run() -> None:
+        pool, state, stream, waiting, beat = await stalled_pool(settings())
+        await tick(pool.workers, clock, [1.0] * 4)  # silent past --heartbeat-timeout
+        assert not state.healthy and state.stalled
+        # What sent nothing to its client yet goes elsewhere, and is aborted there...
+        assert isinstance(waiting.next_nowait(), WorkerLost)
+        assert aborted(state) == ["waiting"]
+        # ...the stream waits for it.
+        assert stream.next_nowait() is None and not stream.finished
+        await tick(pool.workers, clock, [1.0] * 20)  # 24 s of silence: still waiting
+        assert stream.next_nowait() is None
+        beat()  # it speaks again
+        assert state.healthy and not state.stalled
+        pool._on_message(state.link, pool_tests.delta("stream", " on", usage=True))
+        item = stream.next_nowait()
+        assert isinstance(item, protocol.Delta) and item.text == " on"
+        await tick(pool.workers, clock, [1.0])
+        assert aborted(state) == ["waiting"]  # and nothing more
+        for handle in (stream, waiting):
+            handle.close()
+        pool.workers.ctx.term()
+
+    asyncio.run(run())
+
+
+def test_a_stalled_worker_silent_past_the_stall_timeout_ends_its_streams(clock: Clock) -> None:
+    async def run() -> None:
+        pool, state, stream, waiting, _ = await stalled_pool(settings())
+        await tick(pool.workers, clock, [1.0] * 29)
+        assert stream.next_nowait() is None
+        await tick(pool.workers, clock, [1.0] * 2)  # 31 s of silence
+        lost = stream.next_nowait()
+        assert isinstance(lost, WorkerLost) and "silent for 31" in lost.reason
+        assert aborted(state) == ["waiting", "stream"]
+        assert not state.stalled
+        for handle in (stream, waiting):
+            handle.close()
+        pool.workers.ctx.term()
+
+    asyncio.run(run())
+
+
+def test_a_stalled_workers_dropped_connection_ends_its_streams_at_once(clock: Clock) -> None:
+    async def run() -> None:
+        pool, state, stream, waiting, _ = await stalled_pool(settings())
+        await tick(pool.workers, clock, [1.0] * 4)
+        assert state.stalled
+        pool.workers._on_disconnect(state.link)  # type: ignore[arg-type]
+        assert isinstance(stream.next_nowait(), WorkerLost)
+        assert not state.stalled
+        for handle in (stream, waiting):
+            handle.close()
+        pool.workers.ctx.term()
+
+    asyncio.run(run())
+
+
+def test_a_stall_timeout_within_the_heartbeat_timeout_ends_streams_with_the_loss(
+    clock: Clock,
+) -> None:
+    async def run() -> None:
+        pool, state, stream, waiting, _ = await stalled_pool(settings(stall_timeout=0))
+        await tick(pool.workers, clock, [1.0] * 4)
+        assert isinstance(stream.next_nowait(), WorkerLost)
+        assert isinstance(waiting.next_nowait(), WorkerLost)
+        assert not state.stalled
+        for handle in (stream, waiting):
+            handle.close()
+        pool.workers.ctx.term()
+
+    asyncio.run(run())
+
+
+def test_a_client_leaving_a_waiting_stream_aborts_it_on_the_stalled_worker(
+    clock: Clock,
+) -> None:
+    async def run() -> None:
+        pool, state, stream, waiting, _ = await stalled_pool(settings())
+        await tick(pool.workers, clock, [1.0] * 4)
+        waiting.close()
+        stream.close()  # the client went away: the worker drops it once it reads this
+        assert aborted(state) == ["waiting", "stream"]
+        pool.workers.ctx.term()
+
+    asyncio.run(run())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import re
 import signal
@@ -348,65 +349,181 @@ async def until(
         ) from None
 
 
+Pending = tuple[list["asyncio.Future[Stream]"], list["asyncio.Future[httpx.Response]"]]
+
+
+async def load_victim(
+    client: httpx.AsyncClient,
+    two: Served,
+    victim_address: str,
+    body: dict[str, Any],
+    until_streaming: bool = False,
+) -> Pending:
+    """Send waves of 16 streams and 8 whole requests until the gateway counts 4
+    in flight on the victim (``until_streaming``: until a stream from the victim
+    has reached its client); the streams and requests, still running.
+
+    The policy decides where each request goes: should a wave end without
+    that, another is sent (4 waves at most).
+    """
+    streams: list[asyncio.Future[Stream]] = []
+    whole: list[asyncio.Future[httpx.Response]] = []
+    streaming = asyncio.Event()
+
+    def started(stream: Stream) -> None:
+        if stream.worker == victim_address:
+            streaming.set()
+
+    for _ in range(4):
+        streams += [
+            asyncio.ensure_future(read_stream(client, {**body, "prompt": f"Tale {i}:"}, started))
+            for i in range(len(streams), len(streams) + 16)
+        ]
+        whole += [
+            asyncio.ensure_future(
+                client.post("/v1/completions", json={**body, "prompt": f"Whole {i}:"})
+            )
+            for i in range(len(whole), len(whole) + 8)
+        ]
+        loaded = asyncio.ensure_future(
+            streaming.wait()
+            if until_streaming
+            else until(
+                client,
+                "llmgate_worker_in_flight",
+                victim_address,
+                lambda v: v >= 4,
+                two,
+                within=600,
+            )
+        )
+        sent: list[asyncio.Future[Any]] = [*streams, *whole]
+        settled = asyncio.ensure_future(asyncio.wait(sent))
+        await asyncio.wait([loaded, settled], return_when=asyncio.FIRST_COMPLETED)
+        settled.cancel()
+        if loaded.done():
+            loaded.result()
+            return streams, whole
+        loaded.cancel()
+        print("a wave of requests ended without loading the victim; another")
+    raise AssertionError(f"4 waves, none loaded the victim\n{two.log_tail()}")
+
+
+def hung_processes(two: Served, victim_address: str) -> list[psutil.Process]:
+    """The victim worker and its engine processes: were the engine left running,
+    it could finish every request while the worker's loop is stopped."""
+    victim = worker_process(two, victim_address)
+    return [victim, *victim.children(recursive=True)]
+
+
+async def log_says(two: Served, since: int, pattern: str, within: float = 60) -> str:
+    """The log written since byte ``since``, once ``pattern`` (a regex) is in it."""
+    deadline = time.monotonic() + within
+    while True:
+        text = two.log_path.read_bytes()[since:].decode(errors="replace")
+        if re.search(pattern, text):
+            return text
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {pattern!r} in the log within {within:.0f} s\n{text}")
+        await asyncio.sleep(0.1)
+
+
+def test_a_stalled_worker_keeps_its_streams_and_they_end_whole(two: Served) -> None:
+    """SIGSTOP one worker briefly under load, as a starved front end would stall.
+
+    Past --heartbeat-timeout (3 s) the gateway marks it down and moves its
+    requests that sent nothing to their clients yet; its streams under way
+    wait for it (--stall-timeout, 30 s). Resumed at once, it is healthy again
+    and those streams end whole, every token once, none cut.
+    """
+    addresses = two.worker_addresses(2).split(",")
+    victim_address = addresses[0]
+    wait_healthy(two, victim_address, timeout=240)
+    body = {"model": MODEL, "max_tokens": 48, "ignore_eos": True}
+    down = rf"worker {re.escape(victim_address)} lost: silent for \d"
+    waiting = rf"worker {re.escape(victim_address)}: (\d+) streams under way there wait for it"
+
+    async def run(since: int) -> tuple[list[Stream], list[httpx.Response], str, float]:
+        async with httpx.AsyncClient(
+            base_url=two.base_url, timeout=120, limits=httpx.Limits(max_connections=128)
+        ) as client:
+            streams, whole = await load_victim(
+                client, two, victim_address, body, until_streaming=True
+            )
+            hung = hung_processes(two, victim_address)
+            for proc in hung:
+                proc.suspend()
+            stopped_at = time.monotonic()
+            try:
+                log = await log_says(two, since, down)
+                # Written right after that line, unless no stream was under
+                # way there (then the test tries again).
+                with contextlib.suppress(AssertionError):
+                    log = await log_says(two, since, waiting, within=5)
+            finally:
+                for proc in hung:
+                    proc.resume()
+                stopped_s = time.monotonic() - stopped_at
+            done = await asyncio.gather(*streams), await asyncio.gather(*whole)
+            return list(done[0]), list(done[1]), log, stopped_s
+
+    for _ in range(3):
+        since = two.log_path.stat().st_size
+        streams, whole, log, stopped_s = asyncio.run(run(since))
+        # Stopped well within --stall-timeout (a test process that was itself
+        # starved past it would see the streams cut, rightly: try again), with
+        # streams started there when it was marked down.
+        if re.search(waiting, log) and stopped_s < 20:
+            break
+        print(f"stopped {stopped_s:.1f}s, no stream waited on the victim; again")
+        wait_healthy(two, victim_address, timeout=60)
+    else:
+        raise AssertionError(f"3 stops, none while a stream ran on the victim\n{log}")
+    kept = int(re.search(waiting, log).group(1))  # type: ignore[union-attr]
+    # The streams that waited, and all others, end whole: none cut.
+    assert all(s.whole(48) for s in streams), [s for s in streams if not s.whole(48)]
+    assert sum(s.worker == victim_address for s in streams) >= kept, streams
+    assert all(r.status_code == 200 for r in whole), [r.text for r in whole]
+    assert all(r.json()["usage"]["completion_tokens"] == 48 for r in whole)
+    after = two.log_path.read_bytes()[since:].decode(errors="replace")
+    assert f"worker {victim_address} speaks again" in after, after
+    assert "the streams that waited for it end" not in after, after
+    assert "stream cut" not in after, after
+    wait_healthy(two, victim_address, timeout=60)
+    print(
+        "stall report:",
+        json.dumps(
+            {
+                "stopped_s": round(stopped_s, 1),
+                "streams_that_waited": kept,
+                "streams_on_victim": sum(s.worker == victim_address for s in streams),
+                "retried": after.count("retrying on another worker"),
+            }
+        ),
+    )
+
+
 def test_a_hung_worker_is_marked_down_and_rejoins(two: Served) -> None:
     """SIGSTOP one worker under load: no crash, no dropped connection, just silence.
 
-    Within --heartbeat-timeout (3 s) the gateway marks it down: its streams
-    that had started end with an error event, its other requests are retried
-    on the other worker, and it is told to abort them all. After SIGCONT it
-    rejoins (same incarnation) and drops what it ran for us.
+    Within --heartbeat-timeout (3 s) the gateway marks it down: its requests
+    that sent nothing to their clients yet are retried on the other worker
+    and it is told to abort them; its streams under way wait for it, and
+    past --stall-timeout (30 s) end with an error event, and it is told to
+    abort those too. After SIGCONT it rejoins (same incarnation) and drops
+    what it ran for us.
     """
     addresses = two.worker_addresses(2).split(",")
     victim_address = addresses[0]
     wait_healthy(two, victim_address, timeout=240)  # after the tests above restarted workers
-    victim = worker_process(two, victim_address)
-    # The whole worker hangs, its engine processes too: were the engine left
-    # running, it could finish every request while the worker's loop is
-    # stopped, and the resumed worker would find nothing left to abort.
-    hung = [victim, *victim.children(recursive=True)]
     body = {"model": MODEL, "max_tokens": 48, "ignore_eos": True}
 
     async def run() -> tuple[list[Stream], list[httpx.Response], float]:
         async with httpx.AsyncClient(
             base_url=two.base_url, timeout=120, limits=httpx.Limits(max_connections=128)
         ) as client:
-            streams: list[asyncio.Future[Stream]] = []
-            whole: list[asyncio.Future[httpx.Response]] = []
-            # Stop it once it runs some of them (the gateway counts them as in
-            # flight). The policy decides where each request goes: should a
-            # wave end with none of it there, send another.
-            for _ in range(4):
-                streams += [
-                    asyncio.ensure_future(read_stream(client, {**body, "prompt": f"Tale {i}:"}))
-                    for i in range(len(streams), len(streams) + 16)
-                ]
-                whole += [
-                    asyncio.ensure_future(
-                        client.post("/v1/completions", json={**body, "prompt": f"Whole {i}:"})
-                    )
-                    for i in range(len(whole), len(whole) + 8)
-                ]
-                loaded = asyncio.ensure_future(
-                    until(
-                        client,
-                        "llmgate_worker_in_flight",
-                        victim_address,
-                        lambda v: v >= 4,
-                        two,
-                        within=600,
-                    )
-                )
-                sent: list[asyncio.Future[Any]] = [*streams, *whole]
-                settled = asyncio.ensure_future(asyncio.wait(sent))
-                await asyncio.wait([loaded, settled], return_when=asyncio.FIRST_COMPLETED)
-                settled.cancel()
-                if loaded.done():
-                    loaded.result()
-                    break
-                loaded.cancel()
-                print("a wave of requests ended with fewer than 4 on the victim; another")
-            else:
-                raise AssertionError(f"4 waves, never 4 requests on the victim\n{two.log_tail()}")
+            streams, whole = await load_victim(client, two, victim_address, body)
+            hung = hung_processes(two, victim_address)
             for proc in hung:
                 proc.suspend()
             stopped_at = time.monotonic()
@@ -453,6 +570,8 @@ def test_a_hung_worker_is_marked_down_and_rejoins(two: Served) -> None:
     assert all(s.whole(48) for s in streams if s.error is None), [
         s for s in streams if s.error is None and not s.whole(48)
     ]
+    if cut:  # they waited for it past --stall-timeout
+        assert "the streams that waited for it end (silent for" in since_stop(), since_stop()
 
     # Resumed, it reads the gateway's abort and drops the requests it held for it...
     waited = time.monotonic()
