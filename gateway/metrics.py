@@ -165,6 +165,13 @@ WORKER_HEALTHY = Gauge(
     ["worker"],
     multiprocess_mode="mostrecent",
 )
+WORKER_STALLS = Counter(
+    "llmgate_worker_stalls",
+    "Times the worker fell silent past --heartbeat-timeout with streams under way there, "
+    "which waited for it (--stall-timeout), by how that ended: resumed (it spoke again and "
+    "they carried on) or lost (they ended with an error).",
+    ["worker", "outcome"],
+)
 WORKER_RUNNING = Gauge(
     "llmgate_worker_requests_running",
     "Requests the worker's engine is running, as last reported.",

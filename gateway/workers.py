@@ -179,13 +179,16 @@ class Workers:
             return
         if worker.incarnation and beat.incarnation != worker.incarnation:
             log.warning("worker %s restarted (new incarnation)", worker.address)
-            worker.stalled = False
+            if worker.stalled:
+                metrics.WORKER_STALLS.labels(worker.key, "lost").inc()
+                worker.stalled = False
             self._on_lost(worker, "the worker restarted", False)
         elif worker.stalled:
             log.warning(
                 "worker %s speaks again: the streams that waited for it carry on", worker.address
             )
             worker.stalled = False
+            metrics.WORKER_STALLS.labels(worker.key, "resumed").inc()
         worker.pool = beat.pool or self.pool_of_address.get(worker.address, "")
         if not worker.healthy:
             log.info(
@@ -244,6 +247,7 @@ class Workers:
             log.warning(
                 "worker %s: the streams that waited for it end (%s)", worker.address, reason
             )
+            metrics.WORKER_STALLS.labels(worker.key, "lost").inc()
         worker.healthy = False
         metrics.WORKER_HEALTHY.labels(worker.key).set(0)
         keep_streams = silent and self.settings.stall_timeout > self.settings.heartbeat_timeout

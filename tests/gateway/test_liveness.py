@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from prometheus_client import REGISTRY
 
 from gateway.handle import RequestHandle, WorkerLost
 from gateway.pool import Pool
@@ -172,6 +173,13 @@ def aborted(state: WorkerState) -> list[str]:
     return [rid for m in sent if isinstance(m, protocol.Abort) for rid in m.request_ids]
 
 
+def stalls(outcome: str) -> float:
+    value = REGISTRY.get_sample_value(
+        "llmgate_worker_stalls_total", {"worker": "tcp://a:5550", "outcome": outcome}
+    )
+    return value or 0.0
+
+
 def settings(stall_timeout: float = 30.0) -> GatewaySettings:
     return GatewaySettings(
         heartbeat_interval=1.0, heartbeat_timeout=3.0, stall_timeout=stall_timeout
@@ -181,6 +189,7 @@ def settings(stall_timeout: float = 30.0) -> GatewaySettings:
 def test_a_stalled_worker_keeps_its_streams_and_they_carry_on(clock: Clock) -> None:
     async def run() -> None:
         pool, state, stream, waiting, beat = await stalled_pool(settings())
+        resumed = stalls("resumed")
         await tick(pool.workers, clock, [1.0] * 4)  # silent past --heartbeat-timeout
         assert not state.healthy and state.stalled
         # What sent nothing to its client yet goes elsewhere, and is aborted there...
@@ -192,6 +201,7 @@ def test_a_stalled_worker_keeps_its_streams_and_they_carry_on(clock: Clock) -> N
         assert stream.next_nowait() is None
         beat()  # it speaks again
         assert state.healthy and not state.stalled
+        assert stalls("resumed") == resumed + 1
         pool._on_message(state.link, pool_tests.delta("stream", " on", usage=True))
         item = stream.next_nowait()
         assert isinstance(item, protocol.Delta) and item.text == " on"
@@ -207,6 +217,7 @@ def test_a_stalled_worker_keeps_its_streams_and_they_carry_on(clock: Clock) -> N
 def test_a_stalled_worker_silent_past_the_stall_timeout_ends_its_streams(clock: Clock) -> None:
     async def run() -> None:
         pool, state, stream, waiting, _ = await stalled_pool(settings())
+        lost_before = stalls("lost")
         await tick(pool.workers, clock, [1.0] * 29)
         assert stream.next_nowait() is None
         await tick(pool.workers, clock, [1.0] * 2)  # 31 s of silence
@@ -214,6 +225,7 @@ def test_a_stalled_worker_silent_past_the_stall_timeout_ends_its_streams(clock: 
         assert isinstance(lost, WorkerLost) and "silent for 31" in lost.reason
         assert aborted(state) == ["waiting", "stream"]
         assert not state.stalled
+        assert stalls("lost") == lost_before + 1
         for handle in (stream, waiting):
             handle.close()
         pool.workers.ctx.term()

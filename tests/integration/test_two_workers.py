@@ -467,8 +467,15 @@ def test_a_stalled_worker_keeps_its_streams_and_they_end_whole(two: Served) -> N
             done = await asyncio.gather(*streams), await asyncio.gather(*whole)
             return list(done[0]), list(done[1]), log, stopped_s
 
+    def resumed() -> float:
+        value = metric(
+            two.base_url, "llmgate_worker_stalls_total", worker=victim_address, outcome="resumed"
+        )
+        return value or 0.0
+
     for _ in range(3):
         since = two.log_path.stat().st_size
+        resumed_before = resumed()
         streams, whole, log, stopped_s = asyncio.run(run(since))
         # Stopped well within --stall-timeout (a test process that was itself
         # starved past it would see the streams cut, rightly: try again), with
@@ -489,6 +496,7 @@ def test_a_stalled_worker_keeps_its_streams_and_they_end_whole(two: Served) -> N
     assert f"worker {victim_address} speaks again" in after, after
     assert "the streams that waited for it end" not in after, after
     assert "stream cut" not in after, after
+    assert resumed() == resumed_before + 1
     wait_healthy(two, victim_address, timeout=60)
     print(
         "stall report:",
@@ -504,7 +512,8 @@ def test_a_stalled_worker_keeps_its_streams_and_they_end_whole(two: Served) -> N
 
 
 def test_a_hung_worker_is_marked_down_and_rejoins(two: Served) -> None:
-    """SIGSTOP one worker under load: no crash, no dropped connection, just silence.
+    """SIGSTOP one worker, a stream of its under way: no crash, no dropped
+    connection, just silence, for longer than --stall-timeout.
 
     Within --heartbeat-timeout (3 s) the gateway marks it down: its requests
     that sent nothing to their clients yet are retried on the other worker
@@ -522,7 +531,9 @@ def test_a_hung_worker_is_marked_down_and_rejoins(two: Served) -> None:
         async with httpx.AsyncClient(
             base_url=two.base_url, timeout=120, limits=httpx.Limits(max_connections=128)
         ) as client:
-            streams, whole = await load_victim(client, two, victim_address, body)
+            streams, whole = await load_victim(
+                client, two, victim_address, body, until_streaming=True
+            )
             hung = hung_processes(two, victim_address)
             for proc in hung:
                 proc.suspend()
@@ -541,19 +552,26 @@ def test_a_hung_worker_is_marked_down_and_rejoins(two: Served) -> None:
     def since_stop() -> str:
         return two.log_path.read_bytes()[log_start:].decode(errors="replace")
 
+    def lost() -> float:
+        value = metric(
+            two.base_url, "llmgate_worker_stalls_total", worker=victim_address, outcome="lost"
+        )
+        return value or 0.0
+
     for _ in range(3):
         log_start = two.log_path.stat().st_size
+        lost_before = lost()
         streams, whole, detected_s = asyncio.run(run())
-        # The gateway counted 4 on it a moment before the stop; on a slow
-        # machine all of them can end in that moment, and a worker stopped
-        # with nothing of ours has nothing to drop once resumed. The gateway
-        # says what it cut or re-sent when it lost the worker: then it held some.
-        if "the worker was lost: silent" in since_stop():
+        # A stream from the victim had reached its client just before the
+        # stop; on a slow machine it can end in that moment, and a worker
+        # stopped with nothing of ours has nothing to drop once resumed. The
+        # gateway says how many streams waited for it: then it held some.
+        if "streams under way there wait for it" in since_stop():
             break
-        print("every request on the victim ended before the stop; again")
+        print("every stream on the victim ended before the stop; again")
         wait_healthy(two, victim_address, timeout=60)
     else:
-        raise AssertionError(f"3 stops, none while the victim ran a request\n{two.log_tail()}")
+        raise AssertionError(f"3 stops, none while the victim ran a stream\n{two.log_tail()}")
     # Marked down for its silence (no connection dropped: it was only stopped),
     # within the heartbeat timeout (3 s) plus a ping period and some slack. No
     # lower bound: the silence counts from its last heartbeat, which came up
@@ -564,14 +582,18 @@ def test_a_hung_worker_is_marked_down_and_rejoins(two: Served) -> None:
     )
     assert all(r.status_code == 200 for r in whole), [r.text for r in whole]
     assert all(r.json()["usage"]["completion_tokens"] == 48 for r in whole)
+    # The streams under way there waited for it past --stall-timeout, then
+    # ended with an error event; every other stream ended whole.
     cut = [s for s in streams if s.error is not None]
+    assert cut, streams
     assert all(s.done for s in streams), streams
     assert all(s.worker == victim_address and s.tokens for s in cut), cut
+    assert all("silent for" in (s.error or "") for s in cut), cut
     assert all(s.whole(48) for s in streams if s.error is None), [
         s for s in streams if s.error is None and not s.whole(48)
     ]
-    if cut:  # they waited for it past --stall-timeout
-        assert "the streams that waited for it end (silent for" in since_stop(), since_stop()
+    assert "the streams that waited for it end (silent for" in since_stop(), since_stop()
+    assert lost() == lost_before + 1
 
     # Resumed, it reads the gateway's abort and drops the requests it held for it...
     waited = time.monotonic()
