@@ -130,6 +130,7 @@ def measure(target: str, args: argparse.Namespace, run_dir: Path) -> Stats:
         model_dir=args.model,
         dtype=args.dtype,
         gpus=args.gpus,
+        block_size=args.block_size,
     )
     if target == "vllm-inprocess":
         return measure_inprocess(args, engine, run_dir)
@@ -329,6 +330,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", default="float32", help="every engine's dtype (auto: the model's own)"
     )
     parser.add_argument(
+        "--block-size",
+        type=int,
+        default=0,
+        help="every engine's vLLM --block-size (KV-cache block in tokens); 0: each target's "
+        "own default (on CPU llmgate's workers 32, vLLM 128; on GPU 16)",
+    )
+    parser.add_argument(
         "--startup-timeout", type=float, default=600.0, help="seconds a server may take to start"
     )
     parser.add_argument(
@@ -397,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         f"cores, {args.gpus} GPUs, vLLM {vllm_version()}, {args.model or targets.MODEL} "
         f"{args.dtype}, {args.users} users, "
         f"max_tokens {args.max_tokens}, {'eager' if args.enforce_eager else 'compiled'}"
+        + (f", block size {args.block_size}" if args.block_size else "")
     )
     if results:
         plot(run_dir / "bench.png", results, title)

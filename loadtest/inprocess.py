@@ -41,6 +41,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         served_model_name=[MODEL],
         dtype=args.dtype,
         enforce_eager=args.enforce_eager,
+        block_size=args.block_size or None,
     )
     started = time.monotonic()
     llm = AsyncLLM.from_engine_args(engine_args)
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=10)
     parser.add_argument("--prompt", default="Hello World, what is your name dog?")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--block-size", type=int, default=0, help="0: vLLM's default")
     parser.add_argument("--model-dir", default=None, help="default: the embedded model")
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args(argv)

@@ -379,6 +379,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="new conversations a second (Poisson, the same times under every policy); "
         "0: every user starts at once",
     )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=0,
+        help="the workers' vLLM --block-size (KV-cache block in tokens; prefix caching "
+        "reuses whole blocks only); 0: the worker's default (32 on CPU, vLLM's 16 on GPU)",
+    )
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     return parser
@@ -396,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = RESULTS_ROOT / f"{started:%Y%m%dT%H%M%SZ}-multiturn"
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"results and logs: {run_dir.relative_to(ROOT)}/", flush=True)
-    engine = targets.Engine(args.enforce_eager, args.startup_timeout)
+    engine = targets.Engine(args.enforce_eager, args.startup_timeout, block_size=args.block_size)
     results: list[PolicyResult] = []
     every_turn: dict[str, list[dict[str, Any]]] = {}
     with contextlib.ExitStack() as stack:
@@ -446,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
             else "all users at once"
         )
         + (f", {args.think_time:g} s mean think time" if args.think_time > 0 else "")
+        + (f", block size {args.block_size}" if args.block_size else "")
     )
     document = {
         "date": started.isoformat(),

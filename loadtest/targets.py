@@ -67,10 +67,15 @@ class Engine:
     dtype: str = "float32"
     # GPUs visible here (0: CPU). Target "-1" gets GPU 0, "-2" GPUs 0 and 1.
     gpus: int = 0
+    # vLLM's --block-size (KV-cache block, in tokens); 0: vLLM's default.
+    block_size: int = 0
 
     @property
     def flags(self) -> list[str]:
-        return ["--enforce-eager"] if self.enforce_eager else []
+        flags = ["--enforce-eager"] if self.enforce_eager else []
+        if self.block_size:
+            flags += ["--block-size", str(self.block_size)]
+        return flags
 
     @property
     def model_path(self) -> str:

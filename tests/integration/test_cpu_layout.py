@@ -2,14 +2,20 @@
 core, none held back for vLLM's front end) is checked where a system of its
 own starts (``tests/integration/test_launcher_processes.py``); here, the
 session's worker, whose environment sets ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``
-(``tests/conftest.py``), shows the environment winning over the default."""
+(``tests/conftest.py``), shows the environment winning over the default,
+and its KV cache the CPU default's 32-token blocks."""
 
 from __future__ import annotations
 
 import os
 import re
+import time
 
-from tests.conftest import Served
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import MODEL, Served
+from worker.main import CPU_BLOCK_SIZE
 
 
 def vllm_binding(log: str) -> list[int]:
@@ -27,3 +33,41 @@ def test_the_environment_wins_over_the_cpu_default(served: Served) -> None:
     )
     log = served.wait_for_log("reserve_cpu_num=1")
     assert vllm_binding(log) == cores[:-1]
+
+
+def prefix_cache(metrics_url: str) -> tuple[float, float]:
+    """(queries, hits) of the worker's prefix cache, in tokens (vLLM's metrics)."""
+    values = {"vllm:prefix_cache_queries_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
+    for family in text_string_to_metric_families(httpx.get(metrics_url, timeout=30).text):
+        for sample in family.samples:
+            if sample.name in values:
+                values[sample.name] += sample.value
+    return values["vllm:prefix_cache_queries_total"], values["vllm:prefix_cache_hits_total"]
+
+
+def test_a_cpu_worker_reuses_prefixes_in_32_token_blocks(served: Served) -> None:
+    # llmgate's CPU default (worker.main.CPU_BLOCK_SIZE), vLLM's own being 128:
+    # a prompt under 128 tokens, sent twice, is then found in the cache up to
+    # its last whole 32-token block (the last token is always computed anew).
+    served.wait_for_log(f"CPU engine: KV-cache blocks of {CPU_BLOCK_SIZE} tokens")
+    url = f"http://127.0.0.1:{served.worker_metrics_port}/metrics"
+    prompt = " ".join(f"word{i}" for i in range(30)) + f" {time.time_ns()}"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+
+    def send() -> tuple[int, float]:
+        """The prompt's length in tokens, and the cache hits it found."""
+        queries, hits = prefix_cache(url)
+        response = httpx.post(f"{served.base_url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        prompt_tokens = response.json()["usage"]["prompt_tokens"]
+        deadline = time.monotonic() + 30
+        while prefix_cache(url)[0] < queries + prompt_tokens:  # counted once the step ends
+            assert time.monotonic() < deadline, "vLLM's prefix-cache metrics did not move"
+            time.sleep(0.1)
+        return prompt_tokens, prefix_cache(url)[1] - hits
+
+    prompt_tokens, first_hits = send()
+    assert 64 < prompt_tokens < 128, prompt_tokens
+    assert first_hits == 0  # a prompt of its own
+    _, hits = send()
+    assert hits == (prompt_tokens - 1) // CPU_BLOCK_SIZE * CPU_BLOCK_SIZE, (prompt_tokens, hits)

@@ -33,6 +33,7 @@ from tests.integration.parity_cases import (
     covered_fields,
     field_cases,
 )
+from worker.main import CPU_BLOCK_SIZE
 
 pytestmark = pytest.mark.slow  # starts a second engine
 
@@ -41,6 +42,13 @@ pytestmark = pytest.mark.slow  # starts a second engine
 VOLATILE = {"id", "created", "created_at", "item_id", "call_id", "response_id"}
 # llmgate's worker defaults that vLLM's own are not (worker.main).
 LLMGATE_DEFAULTS = ("--scheduling-policy", "priority", "--tool-strict-level", "parameter")
+
+
+def cpu_defaults() -> tuple[str, ...]:
+    """llmgate's worker defaults on a CPU engine (worker.main.apply_cpu_defaults)."""
+    from vllm.platforms import current_platform
+
+    return ("--block-size", str(CPU_BLOCK_SIZE)) if current_platform.is_cpu() else ()
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +62,7 @@ def vllm_url(served: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         *("--host", "127.0.0.1", "--port", str(port)),
         *TOOL_FLAGS,
         *LLMGATE_DEFAULTS,
+        *cpu_defaults(),
     ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}  # as the llmgate worker has it
     cores = sorted(os.sched_getaffinity(0))
