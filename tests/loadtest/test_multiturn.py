@@ -39,8 +39,16 @@ def test_verdict_compares_prefix_with_round_robin() -> None:
     prefix = multiturn.summarize("prefix", [Turn(0, 1, 0.1, 1.0, 16)], 1.0, [])
     rr = multiturn.summarize("round-robin", [Turn(0, 1, 0.2, 1.0, 16)], 1.0, [])
     line = multiturn.verdict([prefix, rr])
-    assert line is not None and "2.00x" in line and line.endswith("met")
+    assert line is not None and "2.00x" in line and line.endswith(": met")
     assert multiturn.verdict([prefix]) is None
+    # Throughput within 2% is equal (the offered load is the same); below, not.
+    for seconds, outcome in ((1.01, ": met"), (1.05, ": NOT met")):
+        slower = multiturn.summarize("prefix", [Turn(0, 1, 0.1, 1.0, 16)], seconds, [])
+        line = multiturn.verdict([slower, rr])
+        assert line is not None and line.endswith(outcome), line
+    worse = multiturn.summarize("prefix", [Turn(0, 1, 0.15, 1.0, 16)], 1.0, [])
+    line = multiturn.verdict([worse, rr])
+    assert line is not None and "1.33x" in line and line.endswith(": NOT met")
 
 
 def test_prefix_counters_are_read_from_vllms_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
