@@ -168,6 +168,12 @@ async def stalled_pool(
     return pool, state, stream, waiting, beat
 
 
+def close(pool: Pool, *handles: RequestHandle) -> None:
+    for handle in handles:
+        handle.close()
+    pool.workers.ctx.term()
+
+
 def aborted(state: WorkerState) -> list[str]:
     sent = state.link.sent  # type: ignore[attr-defined]
     return [rid for m in sent if isinstance(m, protocol.Abort) for rid in m.request_ids]
@@ -207,9 +213,7 @@ def test_a_stalled_worker_keeps_its_streams_and_they_carry_on(clock: Clock) -> N
         assert isinstance(item, protocol.Delta) and item.text == " on"
         await tick(pool.workers, clock, [1.0])
         assert aborted(state) == ["waiting"]  # and nothing more
-        for handle in (stream, waiting):
-            handle.close()
-        pool.workers.ctx.term()
+        close(pool, stream, waiting)
 
     asyncio.run(run())
 
@@ -226,9 +230,7 @@ def test_a_stalled_worker_silent_past_the_stall_timeout_ends_its_streams(clock: 
         assert aborted(state) == ["waiting", "stream"]
         assert not state.stalled
         assert stalls("lost") == lost_before + 1
-        for handle in (stream, waiting):
-            handle.close()
-        pool.workers.ctx.term()
+        close(pool, stream, waiting)
 
     asyncio.run(run())
 
@@ -241,9 +243,7 @@ def test_a_stalled_workers_dropped_connection_ends_its_streams_at_once(clock: Cl
         pool.workers._on_disconnect(state.link)  # type: ignore[arg-type]
         assert isinstance(stream.next_nowait(), WorkerLost)
         assert not state.stalled
-        for handle in (stream, waiting):
-            handle.close()
-        pool.workers.ctx.term()
+        close(pool, stream, waiting)
 
     asyncio.run(run())
 
@@ -257,9 +257,7 @@ def test_a_stall_timeout_within_the_heartbeat_timeout_ends_streams_with_the_loss
         assert isinstance(stream.next_nowait(), WorkerLost)
         assert isinstance(waiting.next_nowait(), WorkerLost)
         assert not state.stalled
-        for handle in (stream, waiting):
-            handle.close()
-        pool.workers.ctx.term()
+        close(pool, stream, waiting)
 
     asyncio.run(run())
 

@@ -416,6 +416,12 @@ def hung_processes(two: Served, victim_address: str) -> list[psutil.Process]:
     return [victim, *victim.children(recursive=True)]
 
 
+def stalls(two: Served, address: str, outcome: str) -> float:
+    """The gateway's ``llmgate_worker_stalls_total`` of ``address`` by ``outcome``."""
+    value = metric(two.base_url, "llmgate_worker_stalls_total", worker=address, outcome=outcome)
+    return value or 0.0
+
+
 async def log_says(two: Served, since: int, pattern: str, within: float = 60) -> str:
     """The log written since byte ``since``, once ``pattern`` (a regex) is in it."""
     deadline = time.monotonic() + within
@@ -467,15 +473,9 @@ def test_a_stalled_worker_keeps_its_streams_and_they_end_whole(two: Served) -> N
             done = await asyncio.gather(*streams), await asyncio.gather(*whole)
             return list(done[0]), list(done[1]), log, stopped_s
 
-    def resumed() -> float:
-        value = metric(
-            two.base_url, "llmgate_worker_stalls_total", worker=victim_address, outcome="resumed"
-        )
-        return value or 0.0
-
     for _ in range(3):
         since = two.log_path.stat().st_size
-        resumed_before = resumed()
+        resumed_before = stalls(two, victim_address, "resumed")
         streams, whole, log, stopped_s = asyncio.run(run(since))
         # Stopped well within --stall-timeout (a test process that was itself
         # starved past it would see the streams cut, rightly: try again), with
@@ -496,7 +496,7 @@ def test_a_stalled_worker_keeps_its_streams_and_they_end_whole(two: Served) -> N
     assert f"worker {victim_address} speaks again" in after, after
     assert "the streams that waited for it end" not in after, after
     assert "stream cut" not in after, after
-    assert resumed() == resumed_before + 1
+    assert stalls(two, victim_address, "resumed") == resumed_before + 1
     wait_healthy(two, victim_address, timeout=60)
     print(
         "stall report:",
@@ -552,15 +552,9 @@ def test_a_hung_worker_is_marked_down_and_rejoins(two: Served) -> None:
     def since_stop() -> str:
         return two.log_path.read_bytes()[log_start:].decode(errors="replace")
 
-    def lost() -> float:
-        value = metric(
-            two.base_url, "llmgate_worker_stalls_total", worker=victim_address, outcome="lost"
-        )
-        return value or 0.0
-
     for _ in range(3):
         log_start = two.log_path.stat().st_size
-        lost_before = lost()
+        lost_before = stalls(two, victim_address, "lost")
         streams, whole, detected_s = asyncio.run(run())
         # A stream from the victim had reached its client just before the
         # stop; on a slow machine it can end in that moment, and a worker
@@ -593,7 +587,7 @@ def test_a_hung_worker_is_marked_down_and_rejoins(two: Served) -> None:
         s for s in streams if s.error is None and not s.whole(48)
     ]
     assert "the streams that waited for it end (silent for" in since_stop(), since_stop()
-    assert lost() == lost_before + 1
+    assert stalls(two, victim_address, "lost") == lost_before + 1
 
     # Resumed, it reads the gateway's abort and drops the requests it held for it...
     waited = time.monotonic()
