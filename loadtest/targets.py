@@ -67,7 +67,7 @@ class Engine:
     dtype: str = "float32"
     # GPUs visible here (0: CPU). Target "-1" gets GPU 0, "-2" GPUs 0 and 1.
     gpus: int = 0
-    # vLLM's --block-size (KV-cache block, in tokens); 0: vLLM's default.
+    # vLLM's --block-size (KV-cache block, in tokens); 0: each engine's own default.
     block_size: int = 0
 
     @property
