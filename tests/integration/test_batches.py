@@ -62,6 +62,7 @@ def create(client: openai.OpenAI, items: list[dict[str, Any]], **extra: Any) -> 
         input_file_id=file_id, endpoint=CHAT, completion_window="24h", **extra
     )
     assert batch.status == "validating" and batch.input_file_id == file_id
+    print(f"{time.strftime('%H:%M:%S')}: created {batch.id}")
     return batch.id
 
 
@@ -74,7 +75,12 @@ def counts(gateway: Served, batch_id: str) -> dict[str, Any]:
 
 
 def wait_until(gateway: Served, batch_id: str, done: Any, timeout: float = 300) -> None:
-    wait_for(lambda: done(counts(gateway, batch_id)), timeout, interval=0.2, show=gateway.log_tail)
+    took = wait_for(
+        lambda: done(counts(gateway, batch_id)), timeout, interval=0.2, show=gateway.log_tail
+    )
+    # Shown with a failure: when the test saw what (one CI failure, not
+    # reproduced, looked as if it saw a job's progress a minute late).
+    print(f"{time.strftime('%H:%M:%S')}: {batch_id} got there in {took:.1f}s")
 
 
 def finished(batch: dict[str, Any]) -> bool:
@@ -184,7 +190,12 @@ def test_a_cancelled_batch_stops_and_says_which_lines_did_not_run(
     gateway = lone(tmp_path, served, "gateway", "--batch-max-inflight", "1")
     try:
         client = client_of(gateway)
-        batch_id = create(client, requests(40, max_tokens=32))
+        # Line 0 is short; the others ask 1,000 tokens each (over half a
+        # minute apiece on this CPU), so the job is far from done when the
+        # cancel lands, however late the test sees line 0's answer. (A CI run
+        # saw its first answer only as a job of 40 short lines ended.)
+        long_lines = requests(40, max_tokens=1000, ignore_eos=True)[1:]
+        batch_id = create(client, [*requests(1), *long_lines])
         wait_until(gateway, batch_id, lambda b: b["request_counts"]["completed"] >= 1)
         cancelling = client.batches.cancel(batch_id)
         assert cancelling.status in ("cancelling", "cancelled")
