@@ -346,6 +346,10 @@ class Admission:
             and worker not in exclude
         )
 
+    def serves(self, tier: Tier) -> bool:
+        """Whether any worker may take a request for ``tier`` now (slots aside)."""
+        return any(self._runs(w, tier, ()) for w in self.workers.by_address.values())
+
     def _serving(self, tier: Tier, exclude: Collection[WorkerState]) -> list[WorkerState]:
         return [w for w in self.workers.by_address.values() if self._runs(w, tier, exclude)]
 

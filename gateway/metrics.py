@@ -167,9 +167,10 @@ WORKER_HEALTHY = Gauge(
 )
 WORKER_STALLS = Counter(
     "llmgate_worker_stalls",
-    "Times the worker fell silent past --heartbeat-timeout with streams under way there, "
-    "which waited for it (--stall-timeout), by how that ended: resumed (it spoke again and "
-    "they carried on) or lost (they ended with an error).",
+    "Times the worker fell silent past --heartbeat-timeout with requests there that waited "
+    "for it (--stall-timeout: streams under way, or requests no other worker could take), "
+    "by how that ended: resumed (it spoke again and they carried on) or lost (they ended "
+    "with an error).",
     ["worker", "outcome"],
 )
 WORKER_RUNNING = Gauge(

@@ -213,18 +213,23 @@ class Pool:
                 handle.deliver(message)
 
     def _fail_requests(
-        self, worker: WorkerState, reason: str, keep_streams: bool
+        self, worker: WorkerState, reason: str, may_return: bool
     ) -> tuple[list[str], int]:
         """Fail the worker's requests (the API retries those it can); which ids
-        failed, and how many streams under way were kept (``keep_streams``:
-        they wait for a worker that may only be stalled)."""
+        failed, and how many were kept waiting for it.
+
+        ``may_return``: it is only silent, so it may be stalled rather than
+        gone. Then what a retry cannot help waits for it: a stream under way
+        (it cannot move) and a request no other worker could take now (its
+        retry would only be a 503: with one worker, any stall would fail every
+        request that had not started streaming)."""
         failed: list[str] = []
         kept = 0
         for request_id in list(worker.requests):
             handle = self.pending.get(request_id)
             if handle is None or handle.finished:
                 continue
-            if keep_streams and handle.streaming:
+            if may_return and (handle.streaming or not self.admission.serves(handle.tier)):
                 kept += 1
                 continue
             handle.deliver(WorkerLost(reason))

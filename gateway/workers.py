@@ -12,11 +12,12 @@ process restarted and whatever we had in flight there is gone.
 
 A lost worker's requests are failed through ``on_lost`` (the API retries
 those that sent nothing to the client yet), with one exception: a worker
-that is only silent may be *stalled*, not gone, and a stream already under
-way cannot move, so such streams wait for it up to ``--stall-timeout``
-(its connection dropping or a restart ends the wait at once). A worker heard
-from again in time is healthy again and those streams carry on, every token
-delivered, since the link lost none.
+that is only silent may be *stalled*, not gone, so what a retry cannot help
+waits for it up to ``--stall-timeout`` (its connection dropping or a restart
+ends the wait at once): streams already under way, which cannot move, and
+requests no other worker could take. A worker heard from again in time is
+healthy again and those requests carry on, every token delivered, since the
+link lost none.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class WorkerState:
     reasoning_parser: bool = False
     # No longer listed by DNS: closed once idle.
     retired: bool = False
-    # Marked down for its silence, its streams under way waiting for it
+    # Marked down for its silence, with requests waiting for it
     # (--stall-timeout): it may yet speak again.
     stalled: bool = False
     # Set from the link; plain attributes, not properties: read several times
@@ -185,7 +186,7 @@ class Workers:
             self._on_lost(worker, "the worker restarted", False)
         elif worker.stalled:
             log.warning(
-                "worker %s speaks again: the streams that waited for it carry on", worker.address
+                "worker %s speaks again: the requests that waited for it carry on", worker.address
             )
             worker.stalled = False
             metrics.WORKER_STALLS.labels(worker.key, "resumed").inc()
@@ -239,19 +240,19 @@ class Workers:
         """Take ``worker`` out of service and fail its requests.
 
         ``silent``: it is only silent, and may be stalled rather than gone:
-        its streams already under way wait for it (``--stall-timeout``).
+        its requests that cannot go elsewhere wait for it (``--stall-timeout``).
         """
         if worker.healthy:
             log.warning("worker %s lost: %s", worker.address, reason)
         elif worker.stalled:
             log.warning(
-                "worker %s: the streams that waited for it end (%s)", worker.address, reason
+                "worker %s: the requests that waited for it end (%s)", worker.address, reason
             )
             metrics.WORKER_STALLS.labels(worker.key, "lost").inc()
         worker.healthy = False
         metrics.WORKER_HEALTHY.labels(worker.key).set(0)
-        keep_streams = silent and self.settings.stall_timeout > self.settings.heartbeat_timeout
-        failed, kept = self._on_lost(worker, f"the worker was lost: {reason}", keep_streams)
+        may_return = silent and self.settings.stall_timeout > self.settings.heartbeat_timeout
+        failed, kept = self._on_lost(worker, f"the worker was lost: {reason}", may_return)
         if failed:
             # A hung worker (stopped, overloaded, partitioned) may come back:
             # it must then drop what it ran for us, which went elsewhere or
@@ -260,7 +261,8 @@ class Workers:
         worker.stalled = kept > 0
         if kept:
             log.warning(
-                "worker %s: %d streams under way there wait for it, up to --stall-timeout %gs",
+                "worker %s: %d requests there wait for it (streams under way, or with "
+                "no other worker to take them), up to --stall-timeout %gs",
                 worker.address,
                 kept,
                 self.settings.stall_timeout,

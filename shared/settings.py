@@ -88,9 +88,10 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     stall_timeout: Annotated[
         float,
         _help(
-            "seconds of silence a worker's streams already under way wait out: marked down "
-            "after --heartbeat-timeout, it may only be stalled, and heard from again in time "
-            "its streams carry on whole; past this they end with an error event (at or below "
+            "seconds of silence a worker's requests that cannot go elsewhere (streams already "
+            "under way; requests no other worker could take) wait out: marked down after "
+            "--heartbeat-timeout, it may only be stalled, and heard from again in time they "
+            "carry on whole; past this they end with an error (at or below "
             "--heartbeat-timeout: when it is marked down)"
         ),
     ] = 30.0

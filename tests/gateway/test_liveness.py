@@ -1,5 +1,6 @@
 """gateway/workers.py's monitor: a worker is lost for its silence, and only for its own;
-a silent worker's streams under way wait for it up to --stall-timeout.
+a silent worker's streams under way, and its requests no other worker could
+take, wait for it up to --stall-timeout.
 
 The CI run of 2026-11-25 failed in the hung-worker test with every request
 on the other worker; one way there is a gateway that judges a worker silent
@@ -58,7 +59,7 @@ def workers() -> Iterator[Workers]:
         GatewaySettings(heartbeat_interval=1.0, heartbeat_timeout=3.0),
         "gw",
         on_message=lambda link, message: None,
-        on_lost=lambda worker, reason, keep_streams: ([], 0),
+        on_lost=lambda worker, reason, may_return: ([], 0),
         on_up=lambda: None,
     )
     yield pool
@@ -148,23 +149,32 @@ async def tick(workers: Workers, clock: Clock, steps: list[float]) -> None:
         await workers.monitor()
 
 
-async def stalled_pool(
-    settings: GatewaySettings,
-) -> tuple[Pool, WorkerState, RequestHandle, RequestHandle, Callable[[], None]]:
-    """A pool with one worker running two requests for us: a stream whose first
-    token went out to its client, and a request that sent nothing yet."""
-    pool = Pool(settings)
-    link = Link(address="tcp://a:5550", sent=[], waiting=[], last_received=0.0)
+def add_worker(pool: Pool, name: str) -> tuple[WorkerState, Callable[[], None]]:
+    link = Link(address=f"tcp://{name}:5550", sent=[], waiting=[], last_received=0.0)
     state = WorkerState(link=link)  # type: ignore[arg-type]
     pool.workers.by_address[state.address] = state
 
     def beat() -> None:
-        pool.workers.on_heartbeat(state, protocol.Heartbeat("a", "one", ["m"], capacity=8))
+        pool.workers.on_heartbeat(state, protocol.Heartbeat(name, "one", ["m"], capacity=8))
 
     beat()
+    return state, beat
+
+
+async def stalled_pool(
+    settings: GatewaySettings, another_worker: bool = True
+) -> tuple[Pool, WorkerState, RequestHandle, RequestHandle, Callable[[], None]]:
+    """A pool with a worker running two requests for us: a stream whose first
+    token went out to its client, and a request that sent nothing yet; and
+    (``another_worker``) a second worker, whose heartbeats keep coming."""
+    pool = Pool(settings)
+    state, beat = add_worker(pool, "a")
     stream = await pool.submit("stream", "completion", "m", {}, 0.0)
     stream.streaming = True  # as gateway.api.call marks it once the stream starts
     waiting = await pool.submit("waiting", "completion", "m", {}, 0.0)
+    if another_worker:
+        other, other_beat = add_worker(pool, "b")
+        other.link.waiting.extend([other_beat] * 100)  # type: ignore[attr-defined]
     return pool, state, stream, waiting, beat
 
 
@@ -272,5 +282,47 @@ def test_a_client_leaving_a_waiting_stream_aborts_it_on_the_stalled_worker(
         stream.close()  # the client went away: the worker drops it once it reads this
         assert aborted(state) == ["waiting", "stream"]
         pool.workers.ctx.term()
+
+    asyncio.run(run())
+
+
+# -- with no other worker, every request waits ----------------------------------
+
+
+def test_with_no_other_worker_a_stalled_workers_requests_all_wait_and_carry_on(
+    clock: Clock,
+) -> None:
+    # One worker (the CPU default): a retry of the request that sent nothing
+    # yet could only be a 503, so it waits for the worker with the stream.
+    async def run() -> None:
+        pool, state, stream, waiting, beat = await stalled_pool(settings(), another_worker=False)
+        resumed = stalls("resumed")
+        await tick(pool.workers, clock, [1.0] * 4)
+        assert not state.healthy and state.stalled
+        assert waiting.next_nowait() is None and stream.next_nowait() is None
+        assert aborted(state) == []
+        await tick(pool.workers, clock, [1.0] * 20)
+        beat()
+        assert state.healthy and stalls("resumed") == resumed + 1
+        pool._on_message(state.link, pool_tests.delta("waiting", " done", usage=True))
+        item = waiting.next_nowait()
+        assert isinstance(item, protocol.Delta) and item.text == " done"
+        assert aborted(state) == []
+        close(pool, stream, waiting)
+
+    asyncio.run(run())
+
+
+def test_with_no_other_worker_a_stall_past_the_timeout_fails_every_request(
+    clock: Clock,
+) -> None:
+    async def run() -> None:
+        pool, state, stream, waiting, _ = await stalled_pool(settings(), another_worker=False)
+        await tick(pool.workers, clock, [1.0] * 31)
+        assert isinstance(waiting.next_nowait(), WorkerLost)
+        assert isinstance(stream.next_nowait(), WorkerLost)
+        assert sorted(aborted(state)) == ["stream", "waiting"]
+        assert not state.stalled
+        close(pool, stream, waiting)
 
     asyncio.run(run())

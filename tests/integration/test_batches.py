@@ -229,11 +229,15 @@ def test_a_gateway_killed_mid_batch_resumes_it_with_no_line_lost_or_doubled(
 ) -> None:
     # One line at a time in the first gateway, so the kill lands mid-batch on
     # any machine (a CI run once finished all 60 two at a time between two
-    # polls); the second runs four at a time.
+    # polls), and line 3 long (600 tokens: half a minute and more here), so
+    # the first gateway is still on it when the test sees 3 lines done,
+    # however late; the second runs four at a time.
     first = lone(tmp_path, served, "first", "--batch-max-inflight", "1")
     client = client_of(first)
     total = 60
-    batch_id = create(client, requests(total, max_tokens=16))
+    items = requests(total, max_tokens=16)
+    items[3] = requests(4, max_tokens=600, ignore_eos=True)[3]
+    batch_id = create(client, items)
     try:
         wait_until(first, batch_id, lambda b: b["request_counts"]["completed"] >= 3)
     finally:

@@ -98,7 +98,14 @@ def test_a_queued_stream_shows_its_wait(
 
     async def two_at_once() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=lone.base_url, timeout=120) as client:
-            body = {"model": MODEL, "prompt": "Hi", "max_tokens": 16, "stream": True}
+            # Long enough that the second arrives while the first holds the slot.
+            body = {
+                "model": MODEL,
+                "prompt": "Hi",
+                "max_tokens": 64,
+                "ignore_eos": True,
+                "stream": True,
+            }
             return list(
                 await asyncio.gather(
                     *(

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import MODEL, Served, start_gateway, start_serve, stop_serve
 from tests.integration.streams import Stream, read_stream
-from tests.integration.test_pool import metric
+from tests.integration.test_pool import metric, value_in
 
 pytestmark = pytest.mark.slow
 
@@ -102,13 +102,13 @@ def test_prefix_policy_load_bound_holds_for_a_hot_prefix(prefix_gateway: Served)
         {
             "model": MODEL,
             "prompt": SHARED + f"Hot question {i}",
-            "max_tokens": 16,
+            "max_tokens": 64,
             "ignore_eos": True,
         }
         for i in range(12)
     ]
     counts = served_by(asyncio.run(post_many(prefix_gateway.base_url, bodies)))
-    # All 12 are in flight at once (16 tokens take far longer than they take to
+    # All 12 are in flight at once (64 tokens take far longer than they take to
     # arrive). The home worker takes the k-th while it holds fewer than
     # max(ceil(1.25 * k / 2), ceil(k / 2) + 4), the default load factor and
     # slack: the 10th finds 9 there against a bound of 9 and overflows.
@@ -132,6 +132,7 @@ def wait_healthy(two: Served, address: str, timeout: float) -> float:
 
 def test_sigterm_on_a_worker_drains_it(two: Served) -> None:
     addresses = two.worker_addresses(2).split(",")
+    wait_healthy(two, addresses[0], timeout=240)
     draining = worker_process(two, addresses[0])
 
     async def run() -> tuple[list[httpx.Response], list[httpx.Response]]:
@@ -140,9 +141,18 @@ def test_sigterm_on_a_worker_drains_it(two: Served) -> None:
             running = [
                 asyncio.ensure_future(client.post("/v1/completions", json=body)) for _ in range(6)
             ]
-            await asyncio.sleep(1.0)
+            # Some of them running there, as the gateway counts them...
+            async with asyncio.timeout(120):
+                while True:
+                    text = (await client.get("/metrics")).text
+                    on_it = value_in(text, "llmgate_worker_in_flight", worker=addresses[0])
+                    if (on_it or 0) >= 1:
+                        break
+                    await asyncio.sleep(0.1)
+            since = two.log_path.stat().st_size
             draining.send_signal(signal.SIGTERM)
-            await asyncio.sleep(1.5)  # a heartbeat tells the gateway
+            # ...and a heartbeat has told the gateway.
+            await log_says(two, since, rf"worker {re.escape(addresses[0])} is draining")
             later = await asyncio.gather(
                 *(
                     client.post(
@@ -203,8 +213,9 @@ def test_killing_a_worker_while_32_clients_stream(two: Served) -> None:
             text = (await client.get("/metrics")).text
             if f'llmgate_worker_healthy{{worker="{victim_address}"}} 0.0' in text:
                 return time.monotonic() - killed_at
-            # The dropped connection tells at once; heartbeats within 3 s + a ping period.
-            assert time.monotonic() - killed_at < 10.0, "worker loss not detected within 10 s"
+            # The dropped connection tells at once; heartbeats within 3 s + a
+            # ping period. (A bound with room for a stall of this process.)
+            assert time.monotonic() - killed_at < 30.0, "worker loss not detected within 30 s"
             await asyncio.sleep(0.01)
 
     async def run() -> tuple[list[tuple[Stream, float]], float, float]:
@@ -268,7 +279,7 @@ def test_killing_a_worker_while_32_clients_stream(two: Served) -> None:
     assert retried >= 1
     # No request hangs: every one ended, with [DONE], well within the timeout.
     assert all(o.done for o in outcomes), outcomes
-    assert all(seconds < 90 for _, seconds in timed)
+    assert all(seconds < 180 for _, seconds in timed), timed
     complete = [o for o in outcomes if o.error is None]
     cut = [o for o in outcomes if o.error is not None]
     # Only streams already running on the killed worker may be cut.
@@ -276,14 +287,21 @@ def test_killing_a_worker_while_32_clients_stream(two: Served) -> None:
     # Every other stream has all its tokens, in its chunks' text, each once.
     assert all(o.whole(48) for o in complete), (complete, two.log_tail(40))
 
-    # After detection, new requests all succeed on the other worker.
+    # After detection, new requests all succeed on the other worker (unless
+    # the restarted victim is back already: a slow test can take that long).
+    def victim_up() -> bool:
+        return metric(two.base_url, "llmgate_worker_healthy", worker=victim_address) == 1
+
+    down_before = not victim_up()
     after = asyncio.run(
         post_many(
             two.base_url,
             [{"model": MODEL, "prompt": f"After {i}", "max_tokens": 4} for i in range(8)],
         )
     )
-    assert served_by(after) == {addresses[0]: 8}
+    assert all(r.status_code == 200 for r in after), [r.text for r in after]
+    if down_before and not victim_up():
+        assert served_by(after) == {addresses[0]: 8}
 
     # The launcher restarts the worker and it takes traffic again.
     while metric(two.base_url, "llmgate_worker_healthy", worker=victim_address) != 1:
@@ -450,7 +468,7 @@ def test_a_stalled_worker_keeps_its_streams_and_they_end_whole(two: Served) -> N
     # (CI of 2026-11-26 06:18, a stream on the healthy worker).
     body = {"model": MODEL, "max_tokens": 48, "ignore_eos": True, "temperature": 0}
     down = rf"worker {re.escape(victim_address)} lost: silent for \d"
-    waiting = rf"worker {re.escape(victim_address)}: (\d+) streams under way there wait for it"
+    waiting = rf"worker {re.escape(victim_address)}: (\d+) requests there wait for it"
 
     async def run(since: int) -> tuple[list[Stream], list[httpx.Response], str, float]:
         async with httpx.AsyncClient(
@@ -499,7 +517,7 @@ def test_a_stalled_worker_keeps_its_streams_and_they_end_whole(two: Served) -> N
     assert all(r.json()["usage"]["completion_tokens"] == 48 for r in whole)
     after = two.log_path.read_bytes()[since:].decode(errors="replace")
     assert f"worker {victim_address} speaks again" in after, after
-    assert "the streams that waited for it end" not in after, after
+    assert "the requests that waited for it end" not in after, after
     assert "stream cut" not in after, after
     assert stalls(two, victim_address, "resumed") == resumed_before + 1
     wait_healthy(two, victim_address, timeout=60)
@@ -568,20 +586,23 @@ def test_a_hung_worker_is_marked_down_and_rejoins(two: Served) -> None:
         # stop; on a slow machine it can end in that moment, and a worker
         # stopped with nothing of ours has nothing to drop once resumed. The
         # gateway says how many streams waited for it: then it held some.
-        if "streams under way there wait for it" in since_stop():
+        if "requests there wait for it" in since_stop():
             break
         print("every stream on the victim ended before the stop; again")
         wait_healthy(two, victim_address, timeout=60)
     else:
         raise AssertionError(f"3 stops, none while the victim ran a stream\n{two.log_tail()}")
     # Marked down for its silence (no connection dropped: it was only stopped),
-    # within the heartbeat timeout (3 s) plus a ping period and some slack. No
-    # lower bound: the silence counts from its last heartbeat, which came up
-    # to a heartbeat period (or, on a busy machine, more) before the stop.
-    assert detected_s < 10, detected_s
-    assert re.search(rf"worker {re.escape(victim_address)} lost: silent for \d", since_stop()), (
-        two.log_tail()
+    # within the heartbeat timeout (3 s) plus a ping period and some slack, as
+    # the gateway measured it (the test's own clock, detected_s, also counts
+    # any stall of the test process). No lower bound: the silence counts from
+    # its last heartbeat, which came up to a heartbeat period (or, on a busy
+    # machine, more) before the stop.
+    lost = re.search(
+        rf"worker {re.escape(victim_address)} lost: silent for ([\d.]+)s", since_stop()
     )
+    assert lost is not None, two.log_tail()
+    assert float(lost.group(1)) < 10, lost.group(0)
     assert all(r.status_code == 200 for r in whole), [r.text for r in whole]
     assert all(r.json()["usage"]["completion_tokens"] == 48 for r in whole)
     # The streams under way there waited for it past --stall-timeout, then
@@ -596,7 +617,7 @@ def test_a_hung_worker_is_marked_down_and_rejoins(two: Served) -> None:
         for s in streams
         if s.error is None and not s.whole(48)
     ]
-    assert "the streams that waited for it end (silent for" in since_stop(), since_stop()
+    assert "the requests that waited for it end (silent for" in since_stop(), since_stop()
     assert stalls(two, victim_address, "lost") == lost_before + 1
 
     # Resumed, it reads the gateway's abort and drops the requests it held for it...

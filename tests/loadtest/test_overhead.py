@@ -299,7 +299,9 @@ async def test_fake_engine_keeps_its_token_interval() -> None:
     steps = await _collect(engine, {"prompt": "x", "max_tokens": 4})
     elapsed = time.monotonic() - started
     assert len(steps) == 5
-    assert 0.06 <= elapsed < 0.5  # three intervals between four tokens
+    # Three intervals between four tokens; the upper bound only says it does
+    # not hang (this shared machine may stall the loop for seconds).
+    assert 0.06 <= elapsed < 30
 
 
 async def test_fake_engine_counts_running_requests() -> None:
