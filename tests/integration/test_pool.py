@@ -101,13 +101,18 @@ def in_flight(served: Served) -> float:
     return metric(served.base_url, "llmgate_requests_in_flight") or 0
 
 
-async def in_flight_reaches(client: httpx.AsyncClient, count: int) -> None:
-    """Until the gateway of ``client`` counts ``count`` requests in flight."""
+async def metric_reaches(client: httpx.AsyncClient, name: str, count: float, **labels: str) -> None:
+    """Until the gateway of ``client`` reports ``name`` (with ``labels``) at ``count`` or more."""
     while True:
         text = (await client.get("/metrics")).text
-        if (value_in(text, "llmgate_requests_in_flight") or 0) >= count:
+        if (value_in(text, name, **labels) or 0) >= count:
             return
         await asyncio.sleep(0.1)
+
+
+async def in_flight_reaches(client: httpx.AsyncClient, count: int) -> None:
+    """Until the gateway of ``client`` counts ``count`` requests in flight."""
+    await metric_reaches(client, "llmgate_requests_in_flight", count)
 
 
 def describe(request: asyncio.Future[httpx.Response]) -> str:
@@ -357,11 +362,8 @@ def test_overload_gets_fast_429s_and_admitted_requests_complete(gateway: Served)
 
             # Two running and two queued, as the gateway counts them...
             admitted = [post() for _ in range(4)]
-            while True:
-                text = (await client.get("/metrics")).text
-                if (value_in(text, "llmgate_queue_depth") or 0) >= 2:
-                    break
-                await asyncio.sleep(0.1)
+            async with asyncio.timeout(120):
+                await metric_reaches(client, "llmgate_queue_depth", 2)
             # ...then eight more, refused at once: before any admitted one ends.
             refused = await asyncio.gather(*(post() for _ in range(8)))
             before_any_admitted_ended = not any(request.done() for request in admitted)

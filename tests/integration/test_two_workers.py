@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import MODEL, Served, start_gateway, start_serve, stop_serve
 from tests.integration.streams import Stream, read_stream
-from tests.integration.test_pool import metric, value_in
+from tests.integration.test_pool import metric, metric_reaches
 
 pytestmark = pytest.mark.slow
 
@@ -143,12 +143,7 @@ def test_sigterm_on_a_worker_drains_it(two: Served) -> None:
             ]
             # Some of them running there, as the gateway counts them...
             async with asyncio.timeout(120):
-                while True:
-                    text = (await client.get("/metrics")).text
-                    on_it = value_in(text, "llmgate_worker_in_flight", worker=addresses[0])
-                    if (on_it or 0) >= 1:
-                        break
-                    await asyncio.sleep(0.1)
+                await metric_reaches(client, "llmgate_worker_in_flight", 1, worker=addresses[0])
             since = two.log_path.stat().st_size
             draining.send_signal(signal.SIGTERM)
             # ...and a heartbeat has told the gateway.
