@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import MODEL, Served, start_gateway, start_serve, stop_serve
 from tests.integration.streams import Stream, read_stream
-from tests.integration.test_pool import metric, metric_reaches
+from tests.integration.test_pool import metric, metric_reaches, value_in
 
 pytestmark = pytest.mark.slow
 
@@ -130,6 +130,13 @@ def wait_healthy(two: Served, address: str, timeout: float) -> float:
     return time.monotonic() - started
 
 
+async def reported_busy(client: httpx.AsyncClient, address: str) -> bool:
+    """Whether the worker's last heartbeat counted requests running or waiting there."""
+    text = (await client.get("/metrics")).text
+    names = ("llmgate_worker_requests_running", "llmgate_worker_requests_waiting")
+    return any(value_in(text, name, worker=address) for name in names)
+
+
 def test_sigterm_on_a_worker_drains_it(two: Served) -> None:
     addresses = two.worker_addresses(2).split(",")
     wait_healthy(two, addresses[0], timeout=240)
@@ -137,6 +144,14 @@ def test_sigterm_on_a_worker_drains_it(two: Served) -> None:
 
     async def run() -> tuple[list[httpx.Response], list[httpx.Response]]:
         async with httpx.AsyncClient(base_url=two.base_url, timeout=120) as client:
+            # Both workers idle as their heartbeats tell (work another gateway
+            # left there counts as load: the hot-prefix test's, on worker 0,
+            # once sent all six to worker 1, and nothing drained).
+            async with asyncio.timeout(120):
+                while True:
+                    if not any([await reported_busy(client, a) for a in addresses]):
+                        break
+                    await asyncio.sleep(0.2)
             body = {"model": MODEL, "prompt": "Drain", "max_tokens": 40, "ignore_eos": True}
             running = [
                 asyncio.ensure_future(client.post("/v1/completions", json=body)) for _ in range(6)
