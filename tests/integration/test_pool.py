@@ -101,12 +101,19 @@ def in_flight(served: Served) -> float:
     return metric(served.base_url, "llmgate_requests_in_flight") or 0
 
 
-async def metric_reaches(client: httpx.AsyncClient, name: str, count: float, **labels: str) -> None:
-    """Until the gateway of ``client`` reports ``name`` (with ``labels``) at ``count`` or more."""
+async def metric_reaches(
+    client: httpx.AsyncClient, name: str, count: float, within: float = 120, **labels: str
+) -> None:
+    """Until the gateway of ``client`` reports ``name`` (with ``labels``) at
+    ``count`` or more; fails, saying what it waited for, after ``within`` s."""
+    deadline = time.monotonic() + within
     while True:
         text = (await client.get("/metrics")).text
-        if (value_in(text, name, **labels) or 0) >= count:
+        value = value_in(text, name, **labels)
+        if (value or 0) >= count:
             return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name} {labels} still {value} after {within}s, not {count}")
         await asyncio.sleep(0.1)
 
 
@@ -362,8 +369,7 @@ def test_overload_gets_fast_429s_and_admitted_requests_complete(gateway: Served)
 
             # Two running and two queued, as the gateway counts them...
             admitted = [post() for _ in range(4)]
-            async with asyncio.timeout(120):
-                await metric_reaches(client, "llmgate_queue_depth", 2)
+            await metric_reaches(client, "llmgate_queue_depth", 2)
             # ...then eight more, refused at once: before any admitted one ends.
             refused = await asyncio.gather(*(post() for _ in range(8)))
             before_any_admitted_ended = not any(request.done() for request in admitted)

@@ -147,18 +147,18 @@ def test_sigterm_on_a_worker_drains_it(two: Served) -> None:
             # Both workers idle as their heartbeats tell (work another gateway
             # left there counts as load: the hot-prefix test's, on worker 0,
             # once sent all six to worker 1, and nothing drained).
-            async with asyncio.timeout(120):
-                while True:
-                    if not any([await reported_busy(client, a) for a in addresses]):
-                        break
-                    await asyncio.sleep(0.2)
+            deadline = time.monotonic() + 120
+            while any([await reported_busy(client, a) for a in addresses]):
+                assert time.monotonic() < deadline, (
+                    f"workers still busy after 120 s\n{two.log_tail()}"
+                )
+                await asyncio.sleep(0.2)
             body = {"model": MODEL, "prompt": "Drain", "max_tokens": 40, "ignore_eos": True}
             running = [
                 asyncio.ensure_future(client.post("/v1/completions", json=body)) for _ in range(6)
             ]
             # Some of them running there, as the gateway counts them...
-            async with asyncio.timeout(120):
-                await metric_reaches(client, "llmgate_worker_in_flight", 1, worker=addresses[0])
+            await metric_reaches(client, "llmgate_worker_in_flight", 1, worker=addresses[0])
             since = two.log_path.stat().st_size
             draining.send_signal(signal.SIGTERM)
             # ...and a heartbeat has told the gateway.
