@@ -284,7 +284,13 @@ class Workers:
             # CPU, not the workers silent. What they sent meanwhile may still be
             # in the kernel's buffers: judge silence on a later tick (the
             # workers do the same about their gateways).
-            late = now - last_tick > 2 * interval + 1.0
+            late = now - last_tick - interval > interval + 1.0
+            if late:
+                log.warning(
+                    "this gateway's event loop woke %.1fs late (the process was paused or "
+                    "starved of CPU): workers' silence is judged on a later tick",
+                    now - last_tick - interval,
+                )
             last_tick = now
             for worker in list(self.by_address.values()):
                 if (worker.healthy or worker.stalled) and not late:

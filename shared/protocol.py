@@ -161,6 +161,11 @@ class Failed(_Message, tag="failed"):
     param: str | None = None
 
 
+# A Failed's message when a draining worker refuses a new request (503, retried
+# elsewhere; the retries metric tells it from other refusals).
+DRAINING = "worker is draining"
+
+
 class Heartbeat(_Message, tag="hb"):
     worker_id: str
     # Random per process start: a restarted worker is a new incarnation, so a

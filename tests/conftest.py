@@ -54,11 +54,12 @@ class Served:
         text = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(text[-lines:])
 
-    def wait_for_log(self, text: str, timeout: float = 10) -> str:
-        """The log once ``text`` is in it; fails, showing the log's tail, after ``timeout``."""
+    def wait_for_log(self, text: str, timeout: float = 10, since: int = 0) -> str:
+        """The log (from character ``since`` on) once ``text`` is in it; fails,
+        showing the log's tail, after ``timeout``."""
         deadline = time.monotonic() + timeout
         while True:
-            log = self.log_path.read_text(errors="replace")
+            log = self.log_path.read_text(errors="replace")[since:]
             if text in log:
                 return log
             if time.monotonic() > deadline:

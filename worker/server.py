@@ -176,7 +176,7 @@ class WorkerServer:
             return
         if self.draining:
             # The gateway had not heard yet; 503 tells it to try another worker.
-            self._fail(identity, message.request_id, 503, "worker is draining")
+            self._fail(identity, message.request_id, 503, protocol.DRAINING)
             return
         task = asyncio.create_task(self._run(identity, message), name=message.request_id)
         self.requests[key] = task
@@ -310,8 +310,18 @@ class WorkerServer:
             # Woken far later than asked: this process was paused (SIGSTOP, a
             # starved core), not its gateways silent. What they sent meanwhile
             # is still unread: judge silence on a later tick, once it is read.
-            paused = now - last_tick > 2 * interval + 1.0
+            late = now - last_tick - interval
+            paused = late > interval + 1.0
             last_tick = now
+            if paused:
+                log.warning(
+                    "this worker's event loop woke %.1fs late (the process was paused or "
+                    "starved of CPU): gateways' silence is judged on a later tick",
+                    late,
+                )
+            else:
+                # Timers run before I/O in a loop turn: read what waits first.
+                self.reader.read_ready()
             for identity, gateway in list(self.gateways.items()):
                 if paused:
                     self._send(identity, self._heartbeat())
@@ -321,15 +331,24 @@ class WorkerServer:
                     self._send(identity, self._heartbeat())
 
     def _forget_gateway(self, identity: Identity) -> None:
-        """The gateway is gone: nobody will read its requests' output, so abort them."""
+        """The gateway is gone: nobody will read its requests' output, so abort them.
+
+        Each still gets a 503: a gateway that was only starved or paused,
+        not gone, reads it when it runs again and ends (or retries) the
+        request, which would otherwise wait for output that never comes."""
+        timeout = self.settings.gateway_timeout
         orphans = [rid for (gateway, rid) in self.requests if gateway == identity]
         log.warning(
-            "gateway %r silent for %.0fs: aborting %d requests",
-            identity,
-            self.settings.gateway_timeout,
-            len(orphans),
+            "gateway %r silent for %.0fs: aborting %d requests", identity, timeout, len(orphans)
         )
         for request_id in orphans:
+            self._fail(
+                identity,
+                request_id,
+                503,
+                f"the worker dropped the request: it heard nothing from this gateway for "
+                f"{timeout:g}s (--gateway-timeout)",
+            )
             self._cancel(identity, request_id, "its gateway went silent")
         del self.gateways[identity]
 

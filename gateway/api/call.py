@@ -176,7 +176,13 @@ class Call:
             assert isinstance(item, protocol.Failed)
             raise errors.from_status(item.status, item.message, item.param)
         self.tried.add(handle.worker)
-        reason = "worker_lost" if isinstance(item, WorkerLost) else "worker_draining"
+        reason = (
+            "worker_lost"
+            if isinstance(item, WorkerLost)
+            else "worker_draining"
+            if item.message == protocol.DRAINING
+            else "worker_refused"
+        )
         message = item.reason if isinstance(item, WorkerLost) else item.message
         if len(self.tried) > self.pool.settings.max_retries:
             raise errors.UpstreamFailed(

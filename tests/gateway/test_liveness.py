@@ -111,13 +111,16 @@ def test_heartbeats_waiting_unread_are_read_before_judging(workers: Workers, clo
     assert state.healthy
 
 
-def test_a_late_tick_judges_no_one(workers: Workers, clock: Clock) -> None:
+def test_a_late_tick_judges_no_one(
+    workers: Workers, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
     # The gateway itself was paused for 10 s: nothing it could read yet says
     # the worker lives, but its silence is the gateway's own.
     state, beat = worker(workers)
     beat()
     run_monitor(workers, clock, [10.0])
     assert state.healthy
+    assert "this gateway's event loop woke 9.0s late" in caplog.text
     # Once on time again, a worker still silent is lost.
     run_monitor(workers, clock, [1.0])
     assert not state.healthy

@@ -71,3 +71,27 @@ async def test_a_finished_and_an_aborted_request_both_leave(server: WorkerServer
     server._on_frames(frames(protocol.Abort(request_ids=["long"])))
     await asyncio.wait_for(settle(server), timeout=30)
     assert server.requests == {}
+
+
+async def test_a_silent_gateways_requests_are_aborted_and_each_answered_503() -> None:
+    """A gateway that was only starved, not gone, must learn its requests
+    ended: without the 503 it would wait for their output forever."""
+    settings = WorkerSettings(heartbeat_interval=0.05, gateway_timeout=0.5)
+    server = WorkerServer(settings, FakeEngine([MODEL], token_interval=0.01))
+    sent: list[tuple[bytes, protocol._Message]] = []
+    server._send = lambda identity, message: sent.append((identity, message))  # type: ignore[method-assign]
+    beats = asyncio.create_task(server._heartbeat_loop())
+    try:
+        server._on_frames(frames(generate("r1", 100_000), generate("r2", 100_000)))
+        # No more pings from GATEWAY: past the timeout, the loop forgets it.
+        await asyncio.wait_for(settle(server), timeout=30)
+    finally:
+        beats.cancel()
+        server.raw.close(0)
+        server.sock.close(0)
+        server.ctx.term()
+    assert GATEWAY not in server.gateways
+    failed = {m.request_id: m for identity, m in sent if isinstance(m, protocol.Failed)}
+    assert sorted(failed) == ["r1", "r2"]
+    assert all(identity == GATEWAY for identity, m in sent if isinstance(m, protocol.Failed))
+    assert all(m.status == 503 and "--gateway-timeout" in m.message for m in failed.values())
