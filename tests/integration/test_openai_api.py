@@ -82,7 +82,11 @@ def test_streaming_chat_arrives_in_chunks_before_the_end(client: openai.OpenAI) 
     stream = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "Tell me about dogs."}],
-        max_tokens=40,
+        # Seconds of generation (ignore_eos): the chunks' count and spread
+        # below hold unless this process stalls for all of it (40 tokens could
+        # come in a burst, or merge into few chunks, on a busy machine).
+        max_tokens=200,
+        extra_body={"ignore_eos": True},
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
@@ -110,7 +114,8 @@ def test_streaming_chat_arrives_in_chunks_before_the_end(client: openai.OpenAI) 
     whole = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "Tell me about dogs."}],
-        max_tokens=40,
+        max_tokens=200,
+        extra_body={"ignore_eos": True},
         temperature=0,
     )
     assert usage is not None and whole.usage is not None
