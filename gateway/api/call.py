@@ -85,6 +85,8 @@ class Call:
         self.started = time.monotonic()
         self.deadline = deadline(self.request, self.pool.settings.request_timeout)
         self.tried: set[WorkerState] = set()
+        # Why the last worker tried failed: the 503 says it if none is left.
+        self.last_failure: str | None = None
         self.builder.include_usage = self.body.include_usage
         # The response is named by the client's id (a retry's wire id has a suffix).
         self.builder.id = self.builder.id_prefix + self.request_id
@@ -150,19 +152,26 @@ class Call:
     async def _submit(self, key: str | None, raw: dict[str, Any]) -> RequestHandle:
         span = self.span
         assert self.target is not None
-        handle = await self.pool.submit(
-            self.request_id,
-            self.kind,
-            self.target,
-            raw,
-            self.deadline,
-            key,
-            exclude=self.tried,
-            trace=span.headers(),
-            on_queued=(lambda: span.event("queued")) if span.on else None,
-            # A batch job's line (gateway.batch.runner): after interactive requests.
-            low_priority=self.request.scope.get("llmgate.priority") == "batch",
-        )
+        try:
+            handle = await self.pool.submit(
+                self.request_id,
+                self.kind,
+                self.target,
+                raw,
+                self.deadline,
+                key,
+                exclude=self.tried,
+                trace=span.headers(),
+                on_queued=(lambda: span.event("queued")) if span.on else None,
+                # A batch job's line (gateway.batch.runner): after interactive requests.
+                low_priority=self.request.scope.get("llmgate.priority") == "batch",
+            )
+        except errors.NoWorker as exc:
+            if self.tried and self.last_failure:
+                raise errors.NoWorker(
+                    f"{exc.message} The worker that had it: {self.last_failure}."
+                ) from exc
+            raise
         if span.on:
             span.event("routed", worker=handle.worker.address)
         self.builder.system_fingerprint = handle.worker.system_fingerprint
@@ -184,6 +193,7 @@ class Call:
             else "worker_refused"
         )
         message = item.reason if isinstance(item, WorkerLost) else item.message
+        self.last_failure = message
         if len(self.tried) > self.pool.settings.max_retries:
             raise errors.UpstreamFailed(
                 f"The request failed on {len(self.tried)} workers; last: {message}."
@@ -258,6 +268,7 @@ class Call:
         metrics.CASCADE.labels("escalated").inc()
         self._forget_output()
         self.tried = set()
+        self.last_failure = None
         self.target = Target(escalate_to.model, escalate_to.tiers, rule=self.target.rule)
         handle, usage = await self._attempts(key, self.raw)
         return await self._respond(handle, usage)
