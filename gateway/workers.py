@@ -35,6 +35,7 @@ from gateway import metrics
 from gateway.transport import OnMessage, WorkerLink
 from shared import keys, protocol
 from shared.settings import GatewaySettings
+from shared.ticks import Ticks
 
 log = logging.getLogger(__name__)
 
@@ -273,25 +274,18 @@ class Workers:
     async def monitor(self) -> None:
         """Ping every worker each heartbeat interval; lose silent ones, drop idle retired ones."""
         interval = self.settings.heartbeat_interval
-        last_tick = time.monotonic()
+        ticks = Ticks(interval, "gateway", "workers' silence")
         while True:
             await asyncio.sleep(interval)
             ping = protocol.Ping(gateway_id=self.gateway_id, sent_at=time.time())
             for worker in self.by_address.values():
                 worker.link.send(ping)
             now = time.monotonic()
-            # Woken far later than asked: this process was paused or starved of
-            # CPU, not the workers silent. What they sent meanwhile may still be
-            # in the kernel's buffers: judge silence on a later tick (the
-            # workers do the same about their gateways).
-            late = now - last_tick - interval > interval + 1.0
-            if late:
-                log.warning(
-                    "this gateway's event loop woke %.1fs late (the process was paused or "
-                    "starved of CPU): workers' silence is judged on a later tick",
-                    now - last_tick - interval,
-                )
-            last_tick = now
+            # Woken far later than asked: this process was stalled, not the
+            # workers silent. What they sent meanwhile may still be in the
+            # kernel's buffers: judge silence on a later tick (the workers do
+            # the same about their gateways).
+            late = ticks.late()
             for worker in list(self.by_address.values()):
                 if (worker.healthy or worker.stalled) and not late:
                     # Timers run before I/O in a loop turn: read what waits first.

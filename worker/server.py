@@ -28,6 +28,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from shared import keys, logs, protocol
 from shared.settings import WorkerSettings
+from shared.ticks import Ticks
 from shared.zmqio import Reader
 from worker.engine import Engine
 from worker.sampling import RequestError
@@ -303,23 +304,15 @@ class WorkerServer:
 
     async def _heartbeat_loop(self) -> None:
         interval = self.settings.heartbeat_interval
-        last_tick = time.monotonic()
+        ticks = Ticks(interval, "worker", "gateways' silence")
         while True:
             await asyncio.sleep(interval)
             now = time.monotonic()
-            # Woken far later than asked: this process was paused (SIGSTOP, a
+            # Woken far later than asked: this process was stalled (SIGSTOP, a
             # starved core), not its gateways silent. What they sent meanwhile
             # is still unread: judge silence on a later tick, once it is read.
-            late = now - last_tick - interval
-            paused = late > interval + 1.0
-            last_tick = now
-            if paused:
-                log.warning(
-                    "this worker's event loop woke %.1fs late (the process was paused or "
-                    "starved of CPU): gateways' silence is judged on a later tick",
-                    late,
-                )
-            else:
+            paused = ticks.late()
+            if not paused:
                 # Timers run before I/O in a loop turn: read what waits first.
                 self.reader.read_ready()
             for identity, gateway in list(self.gateways.items()):
