@@ -161,9 +161,13 @@ class Failed(_Message, tag="failed"):
     param: str | None = None
 
 
-# A Failed's message when a draining worker refuses a new request (503, retried
-# elsewhere; the retries metric tells it from other refusals).
+# Failed messages (503s) the gateway tells apart, in its retries metric and in
+# where it retries: a draining worker refuses a new request (another worker
+# takes it); a worker that heard nothing from a gateway for --gateway-timeout
+# drops its requests (the gateway was stalled, not the worker: any worker,
+# that one included, may take it again). The second is a prefix.
 DRAINING = "worker is draining"
+GATEWAY_SILENT = "the worker dropped the request: it heard nothing from this gateway"
 
 
 class Heartbeat(_Message, tag="hb"):

@@ -122,7 +122,11 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
         ),
     ] = 256
     max_retries: Annotated[
-        int, _help("times a request is re-sent when its worker is lost before any output")
+        int,
+        _help(
+            "times a request is re-sent when its worker fails it (lost, draining, or it "
+            "dropped it) before any output"
+        ),
     ] = 2
     max_queue: Annotated[
         int, _help("requests that may wait for a free worker slot; past it, 429")

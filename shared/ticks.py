@@ -6,8 +6,10 @@ than it asked (the process was stopped, starved of CPU, or its own work held
 the event loop), what the peers sent meanwhile is still unread: the silence
 is this process's, and is judged on a later tick. Each such tick is logged
 with the CPU this process used meanwhile, which tells the two causes apart:
-next to none (paused or starved by the machine), or most of the delay (work
-in this process blocked its event loop: a bug to look for).
+less than half the delay (paused or starved by the machine), or more (work
+in this process blocked its event loop: a bug to look for). That CPU is all
+the process's threads' (ZeroMQ's I/O thread, a tokenizer's), so threads
+busy beside a starved loop can make it read as the second.
 """
 
 from __future__ import annotations

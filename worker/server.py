@@ -324,7 +324,8 @@ class WorkerServer:
                     self._send(identity, self._heartbeat())
 
     def _forget_gateway(self, identity: Identity) -> None:
-        """The gateway is gone: nobody will read its requests' output, so abort them.
+        """The gateway is silent, likely gone: abort its requests, whose output
+        nobody may read.
 
         Each still gets a 503: a gateway that was only starved or paused,
         not gone, reads it when it runs again and ends (or retries) the
@@ -332,15 +333,14 @@ class WorkerServer:
         timeout = self.settings.gateway_timeout
         orphans = [rid for (gateway, rid) in self.requests if gateway == identity]
         log.warning(
-            "gateway %r silent for %.0fs: aborting %d requests", identity, timeout, len(orphans)
+            "gateway %r silent for %gs: aborting %d requests", identity, timeout, len(orphans)
         )
         for request_id in orphans:
             self._fail(
                 identity,
                 request_id,
                 503,
-                f"the worker dropped the request: it heard nothing from this gateway for "
-                f"{timeout:g}s (--gateway-timeout)",
+                f"{protocol.GATEWAY_SILENT} for {timeout:g}s (--gateway-timeout)",
             )
             self._cancel(identity, request_id, "its gateway went silent")
         del self.gateways[identity]

@@ -87,6 +87,7 @@ class Call:
         self.tried: set[WorkerState] = set()
         # Why the last worker tried failed: the 503 says it if none is left.
         self.last_failure: str | None = None
+        self.failures = 0  # attempts that failed and were retried (--max-retries)
         self.builder.include_usage = self.body.include_usage
         # The response is named by the client's id (a retry's wire id has a suffix).
         self.builder.id = self.builder.id_prefix + self.request_id
@@ -184,23 +185,33 @@ class Call:
         if not retryable:
             assert isinstance(item, protocol.Failed)
             raise errors.from_status(item.status, item.message, item.param)
-        self.tried.add(handle.worker)
         reason = (
             "worker_lost"
             if isinstance(item, WorkerLost)
             else "worker_draining"
             if item.message == protocol.DRAINING
+            else "gateway_silent"
+            if item.message.startswith(protocol.GATEWAY_SILENT)
             else "worker_refused"
         )
         message = item.reason if isinstance(item, WorkerLost) else item.message
         self.last_failure = message
-        if len(self.tried) > self.pool.settings.max_retries:
+        self.failures += 1
+        if self.failures > self.pool.settings.max_retries:
             raise errors.UpstreamFailed(
-                f"The request failed on {len(self.tried)} workers; last: {message}."
+                f"The request failed {self.failures} times; last: {message}."
             )
+        if reason == "gateway_silent":
+            # The worker dropped it because this gateway went quiet (paused or
+            # starved), not for a fault of its own: it may run it again.
+            where = "on any worker"
+        else:
+            self.tried.add(handle.worker)
+            where = "on another worker"
         metrics.RETRIES.labels(reason).inc()
         log.info(
-            "retrying on another worker: %s on %s",
+            "retrying %s: %s on %s",
+            where,
             message,
             handle.worker.address,
             extra=self.log_extra,
@@ -269,6 +280,7 @@ class Call:
         self._forget_output()
         self.tried = set()
         self.last_failure = None
+        self.failures = 0
         self.target = Target(escalate_to.model, escalate_to.tiers, rule=self.target.rule)
         handle, usage = await self._attempts(key, self.raw)
         return await self._respond(handle, usage)
