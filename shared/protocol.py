@@ -159,15 +159,18 @@ class Failed(_Message, tag="failed"):
     status: int
     message: str
     param: str | None = None
+    # Set when the worker refused or dropped a request for a reason of its own
+    # state, not the request's (a 503 the gateway retries): one of the
+    # constants below, which are also the gateway's retries-metric labels.
+    cause: str | None = None
 
 
-# Failed messages (503s) the gateway tells apart, in its retries metric and in
-# where it retries: a draining worker refuses a new request (another worker
-# takes it); a worker that heard nothing from a gateway for --gateway-timeout
-# drops its requests (the gateway was stalled, not the worker: any worker,
-# that one included, may take it again). The second is a prefix.
-DRAINING = "worker is draining"
-GATEWAY_SILENT = "the worker dropped the request: it heard nothing from this gateway"
+# A draining worker refuses a new request: another worker takes it.
+WORKER_DRAINING = "worker_draining"
+# A worker that heard nothing from a gateway for --gateway-timeout drops its
+# requests: the gateway was stalled, not the worker, so any worker, that one
+# included, may take them again.
+GATEWAY_SILENT = "gateway_silent"
 
 
 class Heartbeat(_Message, tag="hb"):

@@ -177,7 +177,13 @@ class WorkerServer:
             return
         if self.draining:
             # The gateway had not heard yet; 503 tells it to try another worker.
-            self._fail(identity, message.request_id, 503, protocol.DRAINING)
+            self._fail(
+                identity,
+                message.request_id,
+                503,
+                "worker is draining",
+                cause=protocol.WORKER_DRAINING,
+            )
             return
         task = asyncio.create_task(self._run(identity, message), name=message.request_id)
         self.requests[key] = task
@@ -267,10 +273,11 @@ class WorkerServer:
         status: int,
         message: str,
         param: str | None = None,
+        cause: str | None = None,
     ) -> None:
         # Deltas queued before the failure go first, so the order holds.
         self._flush()
-        self._send(identity, protocol.Failed(request_id, status, message, param))
+        self._send(identity, protocol.Failed(request_id, status, message, param, cause))
 
     def _send(self, identity: Identity, message: protocol._Message) -> None:
         # ROUTER_MANDATORY is off: a message for a gateway that is gone, or
@@ -340,7 +347,9 @@ class WorkerServer:
                 identity,
                 request_id,
                 503,
-                f"{protocol.GATEWAY_SILENT} for {timeout:g}s (--gateway-timeout)",
+                f"the worker dropped the request: it heard nothing from this gateway for "
+                f"{timeout:g}s (--gateway-timeout)",
+                cause=protocol.GATEWAY_SILENT,
             )
             self._cancel(identity, request_id, "its gateway went silent")
         del self.gateways[identity]

@@ -185,15 +185,14 @@ class Call:
         if not retryable:
             assert isinstance(item, protocol.Failed)
             raise errors.from_status(item.status, item.message, item.param)
-        reason = (
-            "worker_lost"
-            if isinstance(item, WorkerLost)
-            else "worker_draining"
-            if item.message == protocol.DRAINING
-            else "gateway_silent"
-            if item.message.startswith(protocol.GATEWAY_SILENT)
-            else "worker_refused"
-        )
+        # The retries metric's label: what the worker said of its 503 (known
+        # causes only: a label value must not come from the wire unchecked).
+        if isinstance(item, WorkerLost):
+            reason = "worker_lost"
+        elif item.cause in (protocol.WORKER_DRAINING, protocol.GATEWAY_SILENT):
+            reason = item.cause
+        else:
+            reason = "worker_refused"
         message = item.reason if isinstance(item, WorkerLost) else item.message
         self.last_failure = message
         self.failures += 1
@@ -201,7 +200,7 @@ class Call:
             raise errors.UpstreamFailed(
                 f"The request failed {self.failures} times; last: {message}."
             )
-        if reason == "gateway_silent":
+        if reason == protocol.GATEWAY_SILENT:
             # The worker dropped it because this gateway went quiet (paused or
             # starved), not for a fault of its own: it may run it again.
             where = "on any worker"

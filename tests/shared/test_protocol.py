@@ -48,6 +48,9 @@ TO_GATEWAY = [
         ]
     ),
     protocol.Failed(request_id="r2", status=400, message="bad", param="max_tokens"),
+    protocol.Failed(
+        request_id="r3", status=503, message="worker is draining", cause=protocol.WORKER_DRAINING
+    ),
     protocol.Heartbeat(
         worker_id="w0",
         incarnation="abc",
@@ -106,3 +109,9 @@ def test_a_gateway_does_not_accept_worker_bound_messages() -> None:
     wire = protocol.encoder().encode(protocol.Ping(gateway_id="g", sent_at=0.0))
     with pytest.raises(msgspec.DecodeError):
         protocol.gateway_decoder().decode(wire)
+
+
+def test_a_failed_without_a_cause_still_decodes() -> None:
+    # As a worker before `cause` sends it: the field is optional and last.
+    wire = msgspec.msgpack.encode(["failed", "r4", 503, "busy", None])
+    assert protocol.gateway_decoder().decode(wire) == protocol.Failed("r4", 503, "busy")

@@ -95,3 +95,5 @@ async def test_a_silent_gateways_requests_are_aborted_and_each_answered_503() ->
     assert sorted(failed) == ["r1", "r2"]
     assert all(identity == GATEWAY for identity, m in sent if isinstance(m, protocol.Failed))
     assert all(m.status == 503 and "--gateway-timeout" in m.message for m in failed.values())
+    # Named as such: the gateway may send them to this worker again.
+    assert all(m.cause == protocol.GATEWAY_SILENT for m in failed.values())
