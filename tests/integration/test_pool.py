@@ -344,7 +344,8 @@ def test_a_lone_worker_that_stalls_keeps_every_request_and_they_end_whole(
     # gateway itself for the worker's --gateway-timeout (10 s; in CI once,
     # seconds after the worker resumed), the worker drops its requests
     # (a 503 each, see the test below): the gateway logs that its loop woke
-    # late with next to no CPU of its own used, and the scenario runs again.
+    # late with under half that delay spent on its own CPU, and the scenario
+    # runs again.
     for attempt in range(3):
         since = len(gateway.log_path.read_text(errors="replace"))
         resumed_before = (
