@@ -5,14 +5,20 @@ test process acting minutes later than the system it tested. A daemon thread
 here wakes every half second; a wake-up far later than asked means this
 process (or the whole machine) did not run meanwhile. A failed test's report
 gets a section listing the stalls during it, the machine's load then, and
-the processes that used the most CPU just after it failed.
+the processes that used the most CPU just after it failed, and what the
+kernel logged meanwhile of a CPU that made no progress: on the CI's virtual
+machine it once reported one stuck for 34 s (its host did not run that
+virtual CPU), and a process queued there gets no CPU at all meanwhile while
+the rest of the machine runs on.
 """
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import psutil
@@ -86,12 +92,49 @@ def busiest(sample: float = 0.5, top: int = 8) -> list[str]:
     return [f"{share:4.0%} {pid} {cmd}" for share, pid, cmd in used[:top]]
 
 
+# What the kernel logs of a CPU that did not run its work (the workqueue and
+# RCU watchdogs: 30 s and 21 s by default, so shorter stalls go unlogged).
+KERNEL_STALL = ("workqueue lockup", "stuck for", "rcu_sched self-detected stall", "soft lockup")
+
+
+def kernel_stalls(start: float, stop: float) -> list[str]:
+    """The kernel's stall reports between two wall-clock times ([] if dmesg is not readable)."""
+    try:
+        out = subprocess.run(
+            ["dmesg", "--time-format", "iso"], capture_output=True, text=True, timeout=10
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return stall_reports(out, start, stop)
+
+
+def stall_reports(dmesg: str, start: float, stop: float) -> list[str]:
+    """The lines of ``dmesg --time-format iso`` output that report a stall between two times."""
+    found = []
+    for line in dmesg.splitlines():
+        stamp, _, message = line.partition(" ")
+        if not any(sign in message for sign in KERNEL_STALL):
+            continue
+        try:
+            when = datetime.fromisoformat(stamp.replace(",", ".")).timestamp()
+        except ValueError:
+            continue
+        if start <= when <= stop:
+            found.append(line)
+    return found
+
+
 def report(watch: StallWatch, start: float, stop: float) -> str:
     stalls = watch.between(start, stop)
     lines = [f"now: {machine_load()}"]
     lines.append(
         "stalls of the test process during the test: "
         + ("none" if not stalls else "\n  " + "\n  ".join(map(str, stalls)))
+    )
+    kernel = kernel_stalls(start, stop)
+    lines.append(
+        "the kernel's stall reports during the test: "
+        + ("none" if not kernel else "\n  " + "\n  ".join(kernel))
     )
     lines.append("busiest processes just after it failed:\n  " + "\n  ".join(busiest()))
     return "\n".join(lines)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from datetime import datetime
 
-from tests.stall_watch import LATE, StallWatch, report
+from tests.stall_watch import LATE, StallWatch, report, stall_reports
 
 
 def test_a_stopped_process_is_reported_as_a_stall() -> None:
@@ -22,3 +23,18 @@ def test_a_stopped_process_is_reported_as_a_stall() -> None:
     assert any(4 - LATE < stall.seconds < 60 for stall in stalls), stalls
     text = report(watch, start, time.time())
     assert "s late; load" in text and "busiest processes" in text, text
+
+
+def test_the_kernels_stall_reports_during_the_test_are_picked_out() -> None:
+    # As the CI's virtual machine logged it (12:43:46 UTC), with lines around it.
+    dmesg = (
+        "2026-11-26T12:43:40,100000+00:00 hrtimer: interrupt took 1081102 ns\n"
+        "2026-11-26T12:43:46,672836+00:00 BUG: workqueue lockup - pool cpus=0 node=0 "
+        "flags=0x0 nice=0 stuck for 34s!\n"
+        "2026-11-26T12:43:46,672900+00:00 Showing busy workqueues and worker pools:\n"
+        "2026-11-26T13:00:00,000000+00:00 BUG: workqueue lockup - pool cpus=1 stuck for 31s!\n"
+    )
+    at = datetime.fromisoformat("2026-11-26T12:43:46+00:00").timestamp()
+    found = stall_reports(dmesg, at - 60, at + 60)
+    assert len(found) == 1 and "cpus=0" in found[0] and "stuck for 34s" in found[0], found
+    assert stall_reports(dmesg, at + 60, at + 120) == []
