@@ -205,8 +205,11 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     heartbeat_interval: Annotated[float, _help("seconds between worker heartbeats")] = 1.0
     gateway_timeout: Annotated[
         float,
-        _help("seconds without hearing from a gateway before its requests are aborted"),
-    ] = 10.0
+        _help(
+            "seconds without hearing from a gateway before its requests are aborted "
+            "(a gateway whose connection drops has them aborted at once)"
+        ),
+    ] = 30.0
     drain_timeout: Annotated[
         float, _help("on SIGTERM, seconds to let running requests finish before exiting")
     ] = 30.0

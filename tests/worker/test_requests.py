@@ -7,12 +7,15 @@ changes: a request that ends, however it ends, leaves the table.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 
 import pytest
+import zmq
 
 from shared import protocol
 from shared.settings import WorkerSettings
+from tests.conftest import free_port
 from worker.fake_engine import FakeEngine
 from worker.server import WorkerServer
 
@@ -97,3 +100,44 @@ async def test_a_silent_gateways_requests_are_aborted_and_each_answered_503() ->
     assert all(m.status == 503 and "--gateway-timeout" in m.message for m in failed.values())
     # Named as such: the gateway may send them to this worker again.
     assert all(m.cause == protocol.GATEWAY_SILENT for m in failed.values())
+
+
+async def test_a_disconnected_gateways_requests_are_aborted_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A gateway that exits closes its connection: its requests end then, not
+    after --gateway-timeout (here 10 minutes) of silence; another gateway's
+    requests run on."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    settings = WorkerSettings(bind=address, gateway_timeout=600)
+    server = WorkerServer(settings, FakeEngine([MODEL], token_interval=0.01))
+    serving = asyncio.create_task(server.serve())
+    ctx = zmq.Context()
+    gateways = {}
+    try:
+        for name in (b"gw-leaves", b"gw-stays"):
+            sock = gateways[name] = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, name)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            sock.send(protocol.encoder().encode(generate("r1", 100_000)))
+        await until(lambda: len(server.requests) == 2)
+        with caplog.at_level(logging.WARNING, logger="worker.server"):
+            gateways.pop(b"gw-leaves").close(0)
+            await until(lambda: (b"gw-leaves", "r1") not in server.requests)
+        assert list(server.requests) == [(b"gw-stays", "r1")]
+        assert list(server.gateways) == [b"gw-stays"]
+        assert "gateway b'gw-leaves' disconnected: aborting 1 requests" in caplog.text
+    finally:
+        for sock in gateways.values():
+            sock.close(0)
+        server._stop.set()
+        await asyncio.wait_for(serving, timeout=30)
+        ctx.term()
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Until ``condition()`` holds, looked at every 10 ms; fails after 30 s."""
+    async with asyncio.timeout(30):
+        while not condition():  # noqa: ASYNC110 (the worker's state has no event to wait on)
+            await asyncio.sleep(0.01)

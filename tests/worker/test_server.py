@@ -21,7 +21,7 @@ from gateway.transport import WorkerLink
 from shared import keys, protocol
 from shared.settings import GatewaySettings, WorkerSettings
 from tests.conftest import free_port
-from worker.server import log_handshake_failures, make_router, start_authenticator
+from worker.server import make_router, start_authenticator, watch_connections
 
 # The fixtures' sockets live on the session's loop: so must the tests.
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -91,7 +91,7 @@ async def worker(request: pytest.FixtureRequest, curve_keys: Keys) -> AsyncItera
     address = f"tcp://127.0.0.1:{free_port()}"
     router.bind(address)
     running = Worker(ctx, router, address)
-    running.tasks.append(asyncio.create_task(log_handshake_failures(monitor)))
+    running.tasks.append(asyncio.create_task(watch_connections(monitor)))
     yield running
     for task in running.tasks:
         task.cancel()
