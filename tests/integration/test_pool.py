@@ -427,7 +427,10 @@ def test_a_gateway_paused_past_the_gateway_timeout_gets_its_requests_ended_not_h
             # the worker dropped the requests already (and the running count
             # may be the requests run again).
             log = gateway.log_path.read_text(errors="replace")[since:]
-            if STARVED.search(log) or dropped in served.log_path.read_text()[worker_since:]:
+            if (
+                STARVED.search(log)
+                or dropped in served.log_path.read_text(errors="replace")[worker_since:]
+            ):
                 raise MachineStalled(log)
             if took is None:
                 pytest.fail(f"the two requests never both ran on the worker\n{served.log_tail()}")
@@ -459,8 +462,8 @@ def test_a_gateway_paused_past_the_gateway_timeout_gets_its_requests_ended_not_h
     # stall it first for the worker's --gateway-timeout (in CI a gateway once
     # logged a tick 10 s late with no CPU used, a second after it started,
     # when 10 s was the timeout; that machine's kernel has logged a virtual
-    # CPU stuck for 34 s), the
-    # worker drops the requests before the test's pause: the scenario runs again.
+    # CPU stuck for 34 s), the worker drops the requests before the test's
+    # pause: the scenario runs again.
     for attempt in range(3):
         # Start from an idle worker, so its running count below is these requests'.
         wait_for(lambda: worker_running(served) == 0, timeout=60, show=served.log_tail)
