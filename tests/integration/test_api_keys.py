@@ -166,12 +166,12 @@ def metrics_keyed(served: Served, tmp_path_factory: pytest.TempPathFactory) -> I
 
 def test_a_keys_file_and_protected_metrics(metrics_keyed: Served) -> None:
     url = metrics_keyed.base_url
-    assert_401(httpx.get(f"{url}/metrics"))
+    assert_401(httpx.get(f"{url}/metrics", timeout=60))
     with_key = {"Authorization": f"Bearer {FILE_KEY}"}
-    assert httpx.get(f"{url}/metrics", headers=with_key).status_code == 200
-    assert httpx.get(f"{url}/v1/models", headers=with_key).status_code == 200
-    assert httpx.get(f"{url}/health").status_code == 200
-    assert httpx.get(f"{url}/ready").status_code == 200
+    assert httpx.get(f"{url}/metrics", headers=with_key, timeout=60).status_code == 200
+    assert httpx.get(f"{url}/v1/models", headers=with_key, timeout=60).status_code == 200
+    assert httpx.get(f"{url}/health", timeout=60).status_code == 200
+    assert httpx.get(f"{url}/ready", timeout=60).status_code == 200
 
 
 def test_a_gateway_with_an_empty_keys_file_refuses_to_start(tmp_path: Path) -> None:

@@ -198,7 +198,7 @@ def test_too_many_stop_sequences_is_400_naming_the_limit(client: openai.OpenAI) 
 
 def test_a_declared_oversized_body_is_413_before_it_is_sent(served: Served) -> None:
     host, port = served.base_url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
         sock.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
             b"Content-Type: application/json\r\nContent-Length: 100000000\r\n\r\n"

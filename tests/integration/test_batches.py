@@ -68,7 +68,7 @@ def create(client: openai.OpenAI, items: list[dict[str, Any]], **extra: Any) -> 
 
 def counts(gateway: Served, batch_id: str) -> dict[str, Any]:
     """The job as the gateway reports it now (plain HTTP: works while a gateway restarts)."""
-    response = httpx.get(f"{gateway.base_url}/v1/batches/{batch_id}", timeout=10)
+    response = httpx.get(f"{gateway.base_url}/v1/batches/{batch_id}", timeout=60)
     assert response.status_code == 200, response.text
     batch: dict[str, Any] = response.json()
     return batch
@@ -139,7 +139,7 @@ def test_the_sdk_runs_a_200_line_batch_to_one_answer_per_custom_id(gateway: Serv
     assert completed == 200
     wait_for(
         lambda: metric(gateway.base_url, "llmgate_batch_jobs", status="completed") == 1,
-        timeout=10,
+        timeout=60,
     )
 
 

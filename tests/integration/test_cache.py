@@ -84,7 +84,7 @@ def text_of(stream_events: list[Any]) -> str:
 
 
 def metric(gateway: Served, name: str) -> float:
-    text = httpx.get(f"{gateway.base_url}/metrics", timeout=10).text
+    text = httpx.get(f"{gateway.base_url}/metrics", timeout=60).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 

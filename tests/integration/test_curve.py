@@ -99,8 +99,8 @@ def start_unready_gateway(log_path: Path, workers: str, *flags: str) -> Served:
 def assert_never_healthy(gateway: Served) -> None:
     deadline = time.monotonic() + NEVER_HEALTHY_FOR
     while time.monotonic() < deadline:
-        assert httpx.get(f"{gateway.base_url}/ready").status_code == 503
-        assert httpx.get(f"{gateway.base_url}/health").json()["healthy_workers"] == 0
+        assert httpx.get(f"{gateway.base_url}/ready", timeout=60).status_code == 503
+        assert httpx.get(f"{gateway.base_url}/health", timeout=60).json()["healthy_workers"] == 0
         time.sleep(0.25)
     response = httpx.post(
         f"{gateway.base_url}/v1/completions",

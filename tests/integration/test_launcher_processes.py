@@ -64,11 +64,13 @@ def test_crashed_worker_is_restarted_and_stop_leaves_no_process(tmp_path: Path) 
         old_rpc_dir = Path(old_worker.environ()["VLLM_RPC_BASE_PATH"])
         assert any(f.is_socket() for f in old_rpc_dir.iterdir()), list(old_rpc_dir.iterdir())
         old_worker.send_signal(signal.SIGKILL)
-        # While the worker is gone nothing hangs: requests fail fast or succeed.
+        # While the worker is gone nothing hangs: requests fail fast (a 503
+        # after --startup-timeout, 5 s) or succeed. A hang would last
+        # --request-timeout (600 s); the bound leaves room for a stalled machine.
         started = time.monotonic()
-        during = complete(served.base_url, timeout=30)
+        during = complete(served.base_url, timeout=120)
         assert during.status_code in (200, 502, 503), during.text
-        assert time.monotonic() - started < 15
+        assert time.monotonic() - started < 60
 
         # The launcher starts a new worker, the gateway takes it in (new
         # incarnation), and requests succeed again without a gateway restart.

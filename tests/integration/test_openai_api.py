@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from tests.conftest import MODEL
+from tests.integration.test_pool import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +128,10 @@ def test_streaming_completion_text_matches_non_streaming(client: openai.OpenAI) 
     kwargs = {
         "model": MODEL,
         "prompt": "My favourite animal is",
-        "max_tokens": 12,
+        # Seconds of generation: more than one chunk unless the worker's
+        # front end is starved for all of it (vLLM then merges the outputs).
+        "max_tokens": 64,
+        "extra_body": {"ignore_eos": True},
         "temperature": 0,
     }
     whole = client.completions.create(**kwargs)
@@ -311,6 +315,7 @@ def test_malformed_bodies_are_400_in_openai_shape(base_url: str, body: bytes) ->
         f"{base_url}/v1/chat/completions",
         content=body,
         headers={"content-type": "application/json"},
+        timeout=60,
     )
     assert response.status_code == 400
     error = response.json()["error"]
@@ -328,13 +333,13 @@ def test_malformed_bodies_are_400_in_openai_shape(base_url: str, body: bytes) ->
     ],
 )
 def test_malformed_chat_requests_are_400(base_url: str, body: dict) -> None:
-    response = httpx.post(f"{base_url}/v1/chat/completions", json=body)
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_unknown_route_is_404_in_openai_shape(base_url: str) -> None:
-    response = httpx.get(f"{base_url}/v1/nothing-here")
+    response = httpx.get(f"{base_url}/v1/nothing-here", timeout=60)
     assert response.status_code == 404
     assert response.json()["error"]["message"]
 
@@ -347,6 +352,12 @@ def test_unknown_fields_are_ignored(client: openai.OpenAI) -> None:
 
 
 def test_health_and_ready(base_url: str) -> None:
-    assert httpx.get(f"{base_url}/health").json()["status"] == "ok"
-    ready = httpx.get(f"{base_url}/ready")
-    assert ready.status_code == 200 and ready.json()["healthy_workers"] == 1
+    assert httpx.get(f"{base_url}/health", timeout=60).json()["status"] == "ok"
+
+    # Ready with its one worker: at once, unless a starved worker has just
+    # missed its heartbeats (then until it speaks again).
+    def ready() -> bool:
+        response = httpx.get(f"{base_url}/ready", timeout=60)
+        return response.status_code == 200 and response.json()["healthy_workers"] == 1
+
+    wait_for(ready, timeout=60)

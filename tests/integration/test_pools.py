@@ -52,7 +52,9 @@ def post(served: Served, body: dict, headers: dict[str, str] | None = None) -> h
 
 
 def test_the_model_list_shows_both_pools_the_aliases_and_auto(pools: Served) -> None:
-    listed = {m["id"]: m for m in httpx.get(f"{pools.base_url}/v1/models").json()["data"]}
+    listed = {
+        m["id"]: m for m in httpx.get(f"{pools.base_url}/v1/models", timeout=60).json()["data"]
+    }
     assert {"smollm2-bf16", "smollm2-f32", "fast", "accurate", "auto"} <= listed.keys()
     assert listed["fast"]["alias_for"] == "smollm2-bf16"
     assert listed["accurate"]["alias_for"] == "smollm2-f32"
@@ -143,7 +145,7 @@ def test_an_unsure_cheap_answer_escalates(pools: Served) -> None:
 
 
 def test_a_lora_adapter_the_workers_serve_is_a_model_of_its_own(pools: Served) -> None:
-    listed = {m["id"] for m in httpx.get(f"{pools.base_url}/v1/models").json()["data"]}
+    listed = {m["id"] for m in httpx.get(f"{pools.base_url}/v1/models", timeout=60).json()["data"]}
     assert LORA in listed
     body = {"model": LORA, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
     response = post(pools, body)

@@ -91,7 +91,9 @@ def test_a_queued_stream_shows_its_wait(
     lone = start_gateway(
         log_path,
         traced.worker_addresses(1),
+        # (--queue-timeout well past any stall: the queued one waits, never a 429.)
         *("--otlp-endpoint", receiver.endpoint, "--max-inflight-per-worker", "1"),
+        *("--queue-timeout", "600"),
         env=HTTP_PROTOCOL,
     )
     trace_ids = ["a" * 31 + str(i) for i in range(2)]

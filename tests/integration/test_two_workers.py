@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import MODEL, Served, start_gateway, start_serve, stop_serve
 from tests.integration.streams import Stream, read_stream
-from tests.integration.test_pool import metric, metric_reaches, value_in
+from tests.integration.test_pool import STARVED, metric, metric_reaches, value_in
 
 pytestmark = pytest.mark.slow
 
@@ -39,14 +39,28 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         stop_serve(running)
 
 
-@pytest.fixture(scope="module")
-def prefix_gateway(two: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    log_path = tmp_path_factory.mktemp("prefix-gateway") / "gateway.log"
-    lone = start_gateway(log_path, two.worker_addresses(2), "--policy", "prefix")
+def steady_gateway(two: Served, tmp_path_factory: pytest.TempPathFactory, policy: str):  # type: ignore[no-untyped-def]
+    """A gateway over the two workers that keeps both through a starved front
+    end's silence (--heartbeat-timeout 60, not 3): the routing tests are about
+    where requests land, and a busy machine must not move them by failover."""
+    log_path = tmp_path_factory.mktemp(f"{policy}-gateway") / "gateway.log"
+    lone = start_gateway(
+        log_path, two.worker_addresses(2), "--policy", policy, "--heartbeat-timeout", "60"
+    )
     try:
         yield lone
     finally:
         stop_serve(lone)
+
+
+@pytest.fixture(scope="module")
+def prefix_gateway(two: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    yield from steady_gateway(two, tmp_path_factory, "prefix")
+
+
+@pytest.fixture(scope="module")
+def least_load_gateway(two: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    yield from steady_gateway(two, tmp_path_factory, "least-load")
 
 
 async def post_many(base_url: str, bodies: list[dict]) -> list[httpx.Response]:
@@ -59,9 +73,9 @@ def served_by(responses: list[httpx.Response]) -> collections.Counter[str]:
     return collections.Counter(r.headers["x-llmgate-worker"] for r in responses)
 
 
-def test_requests_land_on_both_workers(two: Served) -> None:
+def test_requests_land_on_both_workers(two: Served, least_load_gateway: Served) -> None:
     bodies = [{"model": MODEL, "prompt": f"Request {i}:", "max_tokens": 8} for i in range(16)]
-    counts = served_by(asyncio.run(post_many(two.base_url, bodies)))
+    counts = served_by(asyncio.run(post_many(least_load_gateway.base_url, bodies)))
     assert set(counts) == set(two.worker_addresses(2).split(","))
     assert min(counts.values()) >= 4  # least-load spreads them, not 15 to 1
 
@@ -181,7 +195,7 @@ def test_sigterm_on_a_worker_drains_it(two: Served) -> None:
     assert served_by(later) == {addresses[1]: 4}
     draining.wait(timeout=60)  # not our child: psutil cannot read its exit code...
     # ...the launcher can, on its next look at its children (every 0.2 s).
-    assert "worker-0 exited with 0 " in two.wait_for_log("worker-0 exited with")
+    assert "worker-0 exited with 0 " in two.wait_for_log("worker-0 exited with", 60)
     # The launcher starts it again and it rejoins.
     wait_healthy(two, addresses[0], timeout=240)
 
@@ -197,6 +211,7 @@ def test_killing_a_worker_while_32_clients_stream(two: Served) -> None:
     outputs into one chunk (reproduced by pausing a worker's front end:
     test_pool's test_a_paused_worker_front_end_loses_no_token).
     """
+    WHOLE_TOKENS = 200
     addresses = two.worker_addresses(2).split(",")
     for address in addresses:  # after the tests above restarted workers
         wait_healthy(two, address, timeout=240)
@@ -224,13 +239,14 @@ def test_killing_a_worker_while_32_clients_stream(two: Served) -> None:
             if f'llmgate_worker_healthy{{worker="{victim_address}"}} 0.0' in text:
                 return time.monotonic() - killed_at
             # The dropped connection tells at once; heartbeats within 3 s + a
-            # ping period. (A bound with room for a stall of this process.)
-            assert time.monotonic() - killed_at < 30.0, "worker loss not detected within 30 s"
+            # ping period. (A bound with room for a stall of this process:
+            # this is "not hung"; the report below gives the time taken.)
+            assert time.monotonic() - killed_at < 120.0, "worker loss not detected in 120 s"
             await asyncio.sleep(0.01)
 
     async def run() -> tuple[list[tuple[Stream, float]], float, float]:
         async with httpx.AsyncClient(
-            base_url=two.base_url, timeout=90, limits=httpx.Limits(max_connections=64)
+            base_url=two.base_url, timeout=300, limits=httpx.Limits(max_connections=64)
         ) as client:
             tasks: list[asyncio.Future[tuple[Stream, float]]] = []
             whole: list[asyncio.Future[httpx.Response]] = []
@@ -238,12 +254,14 @@ def test_killing_a_worker_while_32_clients_stream(two: Served) -> None:
             def wave() -> None:
                 """32 streams and 8 whole requests: non-streaming requests send
                 nothing before they finish, so those on the killed worker are
-                retried on the other one."""
+                retried on the other one. The whole ones are longer than the
+                streams (WHOLE_TOKENS), so they still run at the kill should
+                this process stall for a while after the streams start."""
                 first = len(tasks)
                 tasks.extend(
                     asyncio.ensure_future(stream(client, i)) for i in range(first, first + 32)
                 )
-                body = {"model": MODEL, "max_tokens": 48, "ignore_eos": True}
+                body = {"model": MODEL, "max_tokens": WHOLE_TOKENS, "ignore_eos": True}
                 whole.extend(
                     asyncio.ensure_future(
                         client.post("/v1/completions", json={**body, "prompt": f"Whole {i}:"})
@@ -282,7 +300,7 @@ def test_killing_a_worker_while_32_clients_stream(two: Served) -> None:
     # Every non-streaming request completed in full, some after a retry.
     failed = [r.text for r in nonlocal_whole if r.status_code != 200]
     assert not failed, (failed, two.log_tail(40))
-    assert all(r.json()["usage"]["completion_tokens"] == 48 for r in nonlocal_whole)
+    assert all(r.json()["usage"]["completion_tokens"] == WHOLE_TOKENS for r in nonlocal_whole)
     retried = (metric(two.base_url, "llmgate_retries_total", reason="worker_lost") or 0) - (
         retries_before
     )
@@ -612,7 +630,9 @@ def test_a_hung_worker_is_marked_down_and_rejoins(two: Served) -> None:
         rf"worker {re.escape(victim_address)} lost: silent for ([\d.]+)s", since_stop()
     )
     assert lost is not None, two.log_tail()
-    assert float(lost.group(1)) < 10, lost.group(0)
+    # Unless the machine starved the gateway itself meanwhile (its late-tick
+    # line says so): it judges the silence on its next tick, later.
+    assert float(lost.group(1)) < 10 or STARVED.search(since_stop()), lost.group(0)
     assert all(r.status_code == 200 for r in whole), [r.text for r in whole]
     assert all(r.json()["usage"]["completion_tokens"] == 48 for r in whole)
     # The streams under way there waited for it past --stall-timeout, then

@@ -100,23 +100,25 @@ async def test_closed_loop_keeps_only_requests_that_end_inside_the_window() -> N
         finally:
             in_flight -= 1
 
-    run = await run_closed_loop(send, users=3, warmup=0.05, duration=0.2)
+    # A 1 s window: a stall of this shared machine's test process (seconds
+    # have been seen) rarely spans all of it.
+    run = await run_closed_loop(send, users=3, warmup=0.05, duration=1.0)
     samples, start, end = run.window()
     assert most_in_flight == 3  # each user waits for its answer before sending again
-    assert end - start == pytest.approx(0.2)
+    assert end - start == pytest.approx(1.0)
     assert in_flight == 0  # cancelled at the window's end, not left running
     # It returns at the window's end, not after the users' next requests (a
-    # loose bound: this machine is shared, and the window itself is 0.25 s).
-    assert loop.time() - started < 5
+    # loose bound, "not hung": this machine is shared).
+    assert loop.time() - started < 30
     result = summarize("t", samples, start, end, run.cpu_cores)
     # Cores by kind of process over the window: none negative, and together
     # with the idle ones no more than the machine has (some slack for the
     # two snapshots not being instants).
     assert all(cores >= 0 for cores in result.cpu_cores.values())
     assert 0 < sum(result.cpu_cores.values()) <= 1.5 * os.cpu_count()  # type: ignore[operator]
-    # 3 users x (0.2 s / 0.02 s) = at most about 30 requests in the window,
+    # 3 users x (1 s / 0.02 s) = at most about 150 requests in the window,
     # none from the warmup (fewer when this shared machine stalls the loop).
-    assert 1 <= result.ok <= 33 and result.ok < len(samples)
+    assert 1 <= result.ok <= 153 and result.ok < len(samples)
 
 
 def test_payload_is_greedy_fixed_length_and_asks_for_usage_when_streaming() -> None:
