@@ -11,13 +11,16 @@ install:
 run: install
 	$(VENV)/bin/llmgate serve $(ARGS)
 
-# The cache tests start a real Redis (Debian's redis-server, installed when missing).
+# The cache tests start a real Redis and the overhead harness's test runs wrk:
+# Debian's redis-server and wrk, installed when missing.
 test: install
 	@scripts/debian-package.sh redis-server
+	@scripts/debian-package.sh wrk
 	$(PYTEST) $(PYTEST_ARGS)
 
 test-fast: install
 	@scripts/debian-package.sh redis-server
+	@scripts/debian-package.sh wrk
 	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
 
 lint: install

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Install a Debian package when its command is missing: the tools that are not
-# on PyPI: wrk for `make bench-overhead`, redis-server for `make test`. Needs
-# root (or sudo) and Debian's package registry; prints what to run by hand
-# when it cannot.
+# on PyPI: wrk for `make bench-overhead` and `make test` (its harness's test),
+# redis-server for `make test`. Needs root (or sudo) and Debian's package
+# registry; prints what to run by hand when it cannot.
 #
 #   scripts/debian-package.sh COMMAND [PACKAGE]   # PACKAGE defaults to COMMAND
 set -euo pipefail

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -86,7 +85,6 @@ def test_parse_wrk_reads_the_marker_line() -> None:
         overhead.parse_wrk("Running 1s test\n")
 
 
-@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed")
 def test_wrk_script_runs_under_wrk(tmp_path: Path) -> None:
     """The Lua really runs: wrk POSTs the body and prints one parseable JSON line."""
     port = free_port()
