@@ -152,12 +152,17 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     # (tests/integration/test_cpu_layout.py); the default itself is checked
     # on a system of its own (tests/integration/test_launcher_processes.py).
     engine = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    # A request that finds the worker marked down (starved of CPU for the
+    # gateway's 3 s --heartbeat-timeout on this shared machine) waits up to
+    # a minute for it rather than the default 5 s, then a 503: the tests on
+    # this gateway are about other things. (The 503 itself: test_curve.py.)
+    patience = {"LLMGATE_STARTUP_TIMEOUT": "60"}
     running = start_serve(
         log_path,
         "--worker-metrics-port",
         str(metrics_port),
         *TOOL_FLAGS,
-        env={**limits, **engine},
+        env={**limits, **engine, **patience},
     )
     running.worker_metrics_port = metrics_port
     try:
