@@ -239,6 +239,11 @@ def engine_stopped(served: Served) -> Iterator[None]:
 def resume_and_wait_healthy(served: Served, worker: psutil.Process) -> None:
     """Resume a suspended session worker; wait until the session's gateway uses it again."""
     worker.resume()
+    wait_healthy(served)
+
+
+def wait_healthy(served: Served) -> None:
+    """Until the session's gateway counts its worker healthy (60 s at most)."""
     wait_for(
         lambda: (
             metric(served.base_url, "llmgate_worker_healthy", worker=served.worker_addresses(1))
@@ -702,14 +707,7 @@ def test_metrics_count_requests_and_tokens(served: Served) -> None:
     ) >= 1
     assert metric(served.base_url, "llmgate_requests_in_flight") == 0
     # Healthy: at once unless a starved front end missed a heartbeat just now.
-    wait_for(
-        lambda: (
-            metric(served.base_url, "llmgate_worker_healthy", worker=served.worker_addresses(1))
-            == 1
-        ),
-        timeout=60,
-        show=served.log_tail,
-    )
+    wait_healthy(served)
 
 
 def test_requests_for_unserved_models_share_one_metrics_label(served: Served) -> None:

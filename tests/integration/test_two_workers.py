@@ -39,7 +39,9 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         stop_serve(running)
 
 
-def steady_gateway(two: Served, tmp_path_factory: pytest.TempPathFactory, policy: str):  # type: ignore[no-untyped-def]
+def steady_gateway(
+    two: Served, tmp_path_factory: pytest.TempPathFactory, policy: str
+) -> Iterator[Served]:
     """A gateway over the two workers that keeps both through a starved front
     end's silence (--heartbeat-timeout 60, not 3): the routing tests are about
     where requests land, and a busy machine must not move them by failover."""
