@@ -88,13 +88,23 @@ def start_serve(
     return _start(argv, log_path, port, env, worker_port, num_workers)
 
 
+# A request that finds its worker marked down (starved of CPU for the
+# gateway's 3 s --heartbeat-timeout on this shared machine) waits up to a
+# minute for it rather than the default 5 s, then a 503: the tests on the
+# session's gateway and the lone ones are about other things. (The 503
+# itself: test_curve.py, test_launcher_processes.py.)
+PATIENCE = {"LLMGATE_STARTUP_TIMEOUT": "60"}
+
+
 def start_gateway(
     log_path: Path, workers: str, *extra: str, env: dict[str, str] | None = None
 ) -> Served:
-    """Start a lone ``llmgate gateway`` in front of running workers."""
+    """Start a lone ``llmgate gateway`` in front of running workers (with ``PATIENCE``)."""
     port = free_port()
     argv = [sys.executable, "-m", "gateway.main", "--workers", workers, "--port", str(port)]
-    return _start([*argv, *extra], log_path, port, env, 0, len(workers.split(",")))
+    return _start(
+        [*argv, *extra], log_path, port, {**PATIENCE, **(env or {})}, 0, len(workers.split(","))
+    )
 
 
 def _start(
@@ -152,17 +162,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     # (tests/integration/test_cpu_layout.py); the default itself is checked
     # on a system of its own (tests/integration/test_launcher_processes.py).
     engine = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
-    # A request that finds the worker marked down (starved of CPU for the
-    # gateway's 3 s --heartbeat-timeout on this shared machine) waits up to
-    # a minute for it rather than the default 5 s, then a 503: the tests on
-    # this gateway are about other things. (The 503 itself: test_curve.py.)
-    patience = {"LLMGATE_STARTUP_TIMEOUT": "60"}
     running = start_serve(
         log_path,
         "--worker-metrics-port",
         str(metrics_port),
         *TOOL_FLAGS,
-        env={**limits, **engine, **patience},
+        env={**limits, **engine, **PATIENCE},
     )
     running.worker_metrics_port = metrics_port
     try:
