@@ -190,4 +190,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
     outcome = yield
     result = outcome.get_result()
     if result.failed:
-        result.sections.append(("machine", report(_watch, call.start, call.stop)))
+        # Every system the suite started logs under pytest's base directory.
+        base = item.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+        logs = sorted(base.rglob("*.log"))
+        result.sections.append(("machine", report(_watch, call.start, call.stop, logs)))

@@ -9,14 +9,19 @@ the processes that used the most CPU just after it failed, and what the
 kernel logged meanwhile of a CPU that made no progress: on the CI's virtual
 machine it once reported one stuck for 34 s (its host did not run that
 virtual CPU), and a process queued there gets no CPU at all meanwhile while
-the rest of the machine runs on.
+the rest of the machine runs on. A stall of another process (a gateway, a
+worker) shows in what that process logged: the warnings and errors the
+systems under test logged during the test are listed too (a late tick of
+their event loop, a worker lost, a gateway given up on).
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -124,7 +129,34 @@ def stall_reports(dmesg: str, start: float, stop: float) -> list[str]:
     return found
 
 
-def report(watch: StallWatch, start: float, stop: float) -> str:
+# The start of the project's own log lines at WARNING and above (shared/logs,
+# text format); vLLM's lines start otherwise and are not matched.
+OWN_WARNING = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) (WARNING|ERROR|CRITICAL) ")
+# At most this many lines in a report (the last ones).
+LOG_LINES_SHOWN = 40
+
+
+def warnings_logged(logs: Iterable[Path], start: float, stop: float) -> list[str]:
+    """The project's warnings and errors in ``logs`` stamped between two wall-clock
+    times (a second's slack each side), each after its file's name."""
+    found = []
+    for path in logs:
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            match = OWN_WARNING.match(line)
+            if match is None:
+                continue
+            # Stamped in local time, to the millisecond.
+            when = time.mktime(time.strptime(match[1], "%Y-%m-%d %H:%M:%S")) + int(match[2]) / 1000
+            if start - 1 <= when <= stop + 1:
+                found.append(f"{path.parent.name}/{path.name}: {line[:300]}")
+    return found[-LOG_LINES_SHOWN:]
+
+
+def report(watch: StallWatch, start: float, stop: float, logs: Iterable[Path] = ()) -> str:
     stalls = watch.between(start, stop)
     lines = [f"now: {machine_load()}"]
     lines.append(
@@ -135,6 +167,11 @@ def report(watch: StallWatch, start: float, stop: float) -> str:
     lines.append(
         "the kernel's stall reports during the test: "
         + ("none" if not kernel else "\n  " + "\n  ".join(kernel))
+    )
+    logged = warnings_logged(logs, start, stop)
+    lines.append(
+        "warnings the systems under test logged during the test: "
+        + ("none" if not logged else "\n  " + "\n  ".join(logged))
     )
     lines.append("busiest processes just after it failed:\n  " + "\n  ".join(busiest()))
     return "\n".join(lines)

@@ -6,8 +6,9 @@ import os
 import subprocess
 import time
 from datetime import datetime
+from pathlib import Path
 
-from tests.stall_watch import LATE, StallWatch, report, stall_reports
+from tests.stall_watch import LATE, StallWatch, report, stall_reports, warnings_logged
 
 
 def test_a_stopped_process_is_reported_as_a_stall() -> None:
@@ -38,3 +39,26 @@ def test_the_kernels_stall_reports_during_the_test_are_picked_out() -> None:
     found = stall_reports(dmesg, at - 60, at + 60)
     assert len(found) == 1 and "cpus=0" in found[0] and "stuck for 34s" in found[0], found
     assert stall_reports(dmesg, at + 60, at + 120) == []
+
+
+def test_the_warnings_the_systems_logged_during_the_test_are_picked_out(tmp_path: Path) -> None:
+    now = time.time()
+
+    def stamp(at: float) -> str:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at)) + ",250"
+
+    gateway = tmp_path / "t0" / "gateway.log"
+    gateway.parent.mkdir()
+    gateway.write_text(
+        f"{stamp(now - 600)} WARNING MainProcess[1] llmgate.gateway.workers: before the test\n"
+        f"{stamp(now)} INFO MainProcess[1] llmgate.gateway.workers: worker up\n"
+        f"{stamp(now)} WARNING MainProcess[1] llmgate.gateway.workers: worker x lost: silent\n"
+        "(EngineCore pid=7) WARNING 11-27 02:29:59 [cpu.py:224] vLLM's own warning\n"
+    )
+    found = warnings_logged([gateway, tmp_path / "missing.log"], now - 5, now + 5)
+    assert found == [
+        f"t0/gateway.log: {stamp(now)} WARNING MainProcess[1] llmgate.gateway.workers: "
+        "worker x lost: silent"
+    ], found
+    watch = StallWatch()
+    assert "worker x lost: silent" in report(watch, now - 5, now + 5, [gateway])
