@@ -69,6 +69,11 @@ class WorkerState:
     # Marked down for its silence, with requests waiting for it
     # (--stall-timeout): it may yet speak again.
     stalled: bool = False
+    # Requests failed when its connection dropped. The Abort sent for them
+    # then went nowhere (a link that is down drops what is sent), so it goes
+    # again once the link connects: a worker that lived through the drop (a
+    # network blip) would otherwise run them to their end for nobody.
+    unsent_aborts: list[str] = field(default_factory=list)
     # Set from the link; plain attributes, not properties: read several times
     # per request. ``key``: stable name for hashing (prefix policy) and metrics.
     address: str = field(init=False)
@@ -229,16 +234,27 @@ class Workers:
     def _on_connect(self, link: WorkerLink) -> None:
         # The worker answers a gateway's first message with a heartbeat at once.
         link.send(protocol.Ping(gateway_id=self.gateway_id, sent_at=time.time()))
+        worker = self.by_address.get(link.address)
+        if worker is not None and worker.link is link and worker.unsent_aborts:
+            log.info(
+                "worker %s connected again: aborting there the %d requests failed when "
+                "its connection dropped",
+                worker.address,
+                len(worker.unsent_aborts),
+            )
+            link.send(protocol.Abort(request_ids=worker.unsent_aborts))
+            worker.unsent_aborts = []
 
     def _on_disconnect(self, link: WorkerLink) -> None:
         worker = self.by_address.get(link.address)
         if worker is not None and worker.link is link and (worker.healthy or worker.stalled):
-            self.lose(worker, "its connection dropped")
+            failed = self.lose(worker, "its connection dropped")
+            worker.unsent_aborts.extend(failed)
 
     # -- liveness ----------------------------------------------------------
 
-    def lose(self, worker: WorkerState, reason: str, silent: bool = False) -> None:
-        """Take ``worker`` out of service and fail its requests.
+    def lose(self, worker: WorkerState, reason: str, silent: bool = False) -> list[str]:
+        """Take ``worker`` out of service and fail its requests; the ids failed.
 
         ``silent``: it is only silent, and may be stalled rather than gone:
         its requests that cannot go elsewhere wait for it (``--stall-timeout``).
@@ -270,6 +286,7 @@ class Workers:
             )
         if not self.healthy():
             self._any_healthy.clear()
+        return failed
 
     async def monitor(self) -> None:
         """Ping every worker each heartbeat interval; lose silent ones, drop idle retired ones."""

@@ -11,7 +11,9 @@ import zmq
 import zmq.asyncio
 
 from gateway.transport import WorkerLink
+from gateway.workers import Workers, WorkerState
 from shared import protocol
+from shared.settings import GatewaySettings
 from tests.conftest import free_port
 
 
@@ -129,3 +131,60 @@ def test_a_link_that_hears_its_own_ping_dials_again(caplog: pytest.LogCaptureFix
     run(scenario)
     assert "connected to itself" in caplog.text
     assert "dropping an undecodable frame" in caplog.text  # the other gateway's ping
+
+
+def test_requests_failed_when_the_link_dropped_are_aborted_once_it_connects_again() -> None:
+    """The Abort for a dropped link's requests is lost with the link; it goes
+    again on reconnecting, so a worker that lived through the drop (a network
+    blip) stops running them for nobody."""
+
+    async def scenario() -> list[protocol.ToWorker]:
+        ctx = zmq.asyncio.Context()
+        address = f"tcp://127.0.0.1:{free_port()}"
+        decode = protocol.worker_decoder().decode
+        encoder = protocol.encoder()
+
+        async def messages(router: zmq.asyncio.Socket) -> list[protocol.ToWorker]:
+            frames = await asyncio.wait_for(router.recv_multipart(), 10)
+            return [decode(body) for body in frames[1:]]
+
+        lost: list[str] = []
+        up, down = asyncio.Event(), asyncio.Event()
+
+        def on_lost(worker: WorkerState, reason: str, may_return: bool) -> tuple[list[str], int]:
+            lost.append(reason)
+            down.set()
+            return sorted(worker.requests), 0
+
+        workers = Workers(
+            GatewaySettings(),
+            "gw-test",
+            on_message=lambda _link, _message: None,
+            on_lost=on_lost,
+            on_up=up.set,
+        )
+        router = ctx.socket(zmq.ROUTER)
+        router.bind(address)
+        workers.sync({address})
+        state = workers.by_address[address]
+        assert isinstance((await messages(router))[0], protocol.Ping)  # hello
+        beat = protocol.Heartbeat("w", "one", ["m"], capacity=8)
+        router.send_multipart([b"gw-test", encoder.encode(beat)])
+        await asyncio.wait_for(up.wait(), 10)
+        state.requests.update({"r1", "r2"})
+        router.close(0)  # the connection drops; the worker itself lives on
+        await asyncio.wait_for(down.wait(), 10)
+        assert lost == ["the worker was lost: its connection dropped"]
+        router = ctx.socket(zmq.ROUTER)
+        router.bind(address)  # the same worker, reachable again: the link redials
+        received: list[protocol.ToWorker] = []
+        while not any(isinstance(m, protocol.Abort) for m in received):
+            received += await messages(router)
+        router.close(0)
+        await workers.close()
+        ctx.term()
+        return received
+
+    received = run(scenario)
+    assert protocol.Abort(request_ids=["r1", "r2"]) in received, received
+    assert isinstance(received[0], protocol.Ping)  # said hello first
