@@ -138,8 +138,8 @@ LOG_LINES_SHOWN = 40
 
 def warnings_logged(logs: Iterable[Path], start: float, stop: float) -> list[str]:
     """The project's warnings and errors in ``logs`` stamped between two wall-clock
-    times (a second's slack each side), each after its file's name."""
-    found = []
+    times (a second's slack each side), each after its file's name, in time order."""
+    found: list[tuple[float, str]] = []
     for path in logs:
         try:
             text = path.read_text(errors="replace")
@@ -152,8 +152,9 @@ def warnings_logged(logs: Iterable[Path], start: float, stop: float) -> list[str
             # Stamped in local time, to the millisecond.
             when = time.mktime(time.strptime(match[1], "%Y-%m-%d %H:%M:%S")) + int(match[2]) / 1000
             if start - 1 <= when <= stop + 1:
-                found.append(f"{path.parent.name}/{path.name}: {line[:300]}")
-    return found[-LOG_LINES_SHOWN:]
+                found.append((when, f"{path.parent.name}/{path.name}: {line[:300]}"))
+    found.sort(key=lambda entry: entry[0])  # several files: one timeline
+    return [line for _, line in found[-LOG_LINES_SHOWN:]]
 
 
 def report(watch: StallWatch, start: float, stop: float, logs: Iterable[Path] = ()) -> str:

@@ -55,10 +55,14 @@ def test_the_warnings_the_systems_logged_during_the_test_are_picked_out(tmp_path
         f"{stamp(now)} WARNING MainProcess[1] llmgate.gateway.workers: worker x lost: silent\n"
         "(EngineCore pid=7) WARNING 11-27 02:29:59 [cpu.py:224] vLLM's own warning\n"
     )
-    found = warnings_logged([gateway, tmp_path / "missing.log"], now - 5, now + 5)
+    # Another system's log, read after it, with an earlier warning: one timeline.
+    worker = tmp_path / "t0" / "worker.log"
+    worker.write_text(f"{stamp(now - 2)} ERROR MainProcess[2] worker.server: first\n")
+    found = warnings_logged([gateway, tmp_path / "missing.log", worker], now - 5, now + 5)
     assert found == [
+        f"t0/worker.log: {stamp(now - 2)} ERROR MainProcess[2] worker.server: first",
         f"t0/gateway.log: {stamp(now)} WARNING MainProcess[1] llmgate.gateway.workers: "
-        "worker x lost: silent"
+        "worker x lost: silent",
     ], found
     watch = StallWatch()
     assert "worker x lost: silent" in report(watch, now - 5, now + 5, [gateway])
