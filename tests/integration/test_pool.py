@@ -91,9 +91,8 @@ def gateway(served: Served, tmp_path: Path, request: pytest.FixtureRequest) -> I
 
     It keeps a worker silent for under a minute (--heartbeat-timeout 60, not
     3) unless the test sets its own: on this shared machine the worker's
-    front end is sometimes starved for seconds, and a test about the queue or
-    a drain must not turn into one about failover (CI once lost the worker
-    mid-test, so the request holding the only slot ended early)."""
+    front end is sometimes starved for seconds, and a test about the queue, a
+    drain or an overload must not turn into one about failover."""
     marker = request.node.get_closest_marker("gateway_flags")
     flags = marker.args if marker else ()
     if "--heartbeat-timeout" not in flags:
