@@ -237,8 +237,10 @@ class WorkerServer:
                 async for deltas in outputs:
                     self._queue(identity, deltas)
         except RequestError as exc:
+            log.info("request refused: %d %s", exc.status, exc.message)
             self._fail(identity, request_id, exc.status, exc.message, exc.param)
         except TimeoutError:
+            log.info("request timed out: its deadline passed")
             self._fail(identity, request_id, 504, "request timed out")
         except asyncio.CancelledError:
             # Aborted by the gateway, or shutting down: vLLM's generate() aborts
@@ -248,6 +250,10 @@ class WorkerServer:
             status, text, param = _classify_engine_error(exc)
             if status >= 500:
                 log.exception("request %s failed", request_id)
+            else:
+                # Said here too: a request that ends early with nothing in
+                # either log cannot be told from one that finished.
+                log.info("the engine refused the request: %d %s", status, text)
             self._fail(identity, request_id, status, text, param)
 
     def _forget(self, key: tuple[Identity, str], task: asyncio.Task[None]) -> None:

@@ -184,6 +184,12 @@ class Call:
         retryable = isinstance(item, WorkerLost) or item.status == 503
         if not retryable:
             assert isinstance(item, protocol.Failed)
+            log.info(
+                "the worker failed the request: %d %s",
+                item.status,
+                item.message,
+                extra=self.log_extra,
+            )
             raise errors.from_status(item.status, item.message, item.param)
         # The retries metric's label: what the worker said of its 503 (known
         # causes only: a label value must not come from the wire unchecked).
@@ -360,6 +366,13 @@ class Call:
             while True:
                 if isinstance(item, protocol.Failed):
                     status = item.status
+                    # A stream under way ends early: worth a line, whatever the status.
+                    log.warning(
+                        "stream ended by its worker: %d %s",
+                        item.status,
+                        item.message,
+                        extra=self.log_extra,
+                    )
                     yield self.builder.error_event(
                         errors.from_status(item.status, item.message, item.param)
                     )
@@ -402,6 +415,7 @@ class Call:
                     item = await handle.next() if waiting is None else waiting
                 except errors.GatewayError as exc:
                     status = exc.status
+                    log.warning("stream ended: %s", exc, extra=self.log_extra)
                     yield self.builder.error_event(exc)
                     break
             if self.builder.done:

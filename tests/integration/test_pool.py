@@ -80,6 +80,34 @@ def seconds_until(predicate, timeout: float, interval: float = 0.1) -> float | N
         time.sleep(interval)
 
 
+def engine_counts(served: Served) -> str:
+    """vLLM's own running and waiting counts on the session worker (its metrics page)."""
+    text = httpx.get(f"http://127.0.0.1:{served.worker_metrics_port}/metrics", timeout=30).text
+    return ", ".join(
+        f"{sample.name}{{{sample.labels['reason']}}} {sample.value:g}"
+        if "reason" in sample.labels
+        else f"{sample.name} {sample.value:g}"
+        for family in text_string_to_metric_families(text)
+        if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting_by_reason")
+        for sample in family.samples
+    )
+
+
+def state_of(task: asyncio.Future) -> str:  # type: ignore[type-arg]
+    """What a failure message says of a client's request task: still waiting, or how it ended."""
+    if not task.done():
+        return "not ended"
+    if task.exception() is not None:
+        return repr(task.exception())
+    result = task.result()
+    if isinstance(result, Stream):
+        return (
+            f"ended: status {result.status}, {len(result.tokens)} tokens, "
+            f"done {result.done}, error {result.error!r}"
+        )
+    return f"ended: {result!r} {getattr(result, 'text', '')[:300]}"
+
+
 class MachineStalled(Exception):
     """The machine, not the test, stalled a process past a timeout the scenario
     relies on (that process's log says so): the scenario did not happen as set."""
@@ -459,45 +487,67 @@ def test_a_gateway_paused_past_the_gateway_timeout_gets_its_requests_ended_not_h
             stream = asyncio.ensure_future(
                 read_stream(client, LONG, on_first_chunk=lambda _: streaming.set())
             )
-            await asyncio.wait_for(streaming.wait(), 120)
-            # Both at the worker (not only handed to the gateway's socket)...
-            both_there = lambda: (worker_running(served) or 0) >= 2  # noqa: E731
-            took = await asyncio.to_thread(seconds_until, both_there, 60)
-            # ...and the gateway not stalled yet: had the machine stalled it
-            # past the worker's --gateway-timeout before the test's own pause,
-            # the worker dropped the requests already (and the running count
-            # may be the requests run again).
-            log = gateway.log_path.read_text(errors="replace")[since:]
-            if (
-                STARVED.search(log)
-                or dropped in served.log_path.read_text(errors="replace")[worker_since:]
-            ):
-                raise MachineStalled(log)
-            if took is None:
-                pytest.fail(f"the two requests never both ran on the worker\n{served.log_tail()}")
-            paused.suspend()
             try:
-                # Minutes of work left on each: the worker drops them for the
-                # silence (--gateway-timeout, 30 s).
-                await asyncio.to_thread(served.wait_for_log, dropped, 90, worker_since)
+                return await paused_with(plain, stream, streaming, since, worker_since)
             finally:
-                paused.resume()
-            # The 503s wait in the gateway's socket: the stream ends at once,
-            # not after the 4,000 tokens (minutes) it asked for...
-            ended = await asyncio.wait_for(stream, 120)
-            # ...and the plain request runs again on the only worker there is.
-            await asyncio.to_thread(
-                gateway.wait_for_log,
-                "retrying on any worker: the worker dropped the request",
-                60,
-                since,
+                # A failure leaves no request behind to run on for minutes.
+                plain.cancel()
+                stream.cancel()
+
+    async def paused_with(
+        plain: asyncio.Future[httpx.Response],
+        stream: asyncio.Future[Stream],
+        streaming: asyncio.Event,
+        since: int,
+        worker_since: int,
+    ) -> Stream:
+        sent = time.monotonic()
+        await asyncio.wait_for(streaming.wait(), 120)
+        first_chunk = time.monotonic() - sent
+        # Both at the worker (not only handed to the gateway's socket)...
+        both_there = lambda: (worker_running(served) or 0) >= 2  # noqa: E731
+        took = await asyncio.to_thread(seconds_until, both_there, 60)
+        # ...and the gateway not stalled yet: had the machine stalled it
+        # past the worker's --gateway-timeout before the test's own pause,
+        # the worker dropped the requests already (and the running count
+        # may be the requests run again).
+        log = gateway.log_path.read_text(errors="replace")[since:]
+        if (
+            STARVED.search(log)
+            or dropped in served.log_path.read_text(errors="replace")[worker_since:]
+        ):
+            raise MachineStalled(log)
+        if took is None:
+            pytest.fail(
+                f"the two requests never both ran on the worker (running: "
+                f"{worker_running(served)}, engine: {engine_counts(served)}; the first "
+                f"chunk came after {first_chunk:.1f}s, then {time.monotonic() - sent:.1f}s "
+                f"in all; the stream: {state_of(stream)}; the plain request: "
+                f"{state_of(plain)})\n{gateway.log_tail()}\n{served.log_tail()}"
             )
-            await asyncio.to_thread(
-                wait_for, lambda: worker_running(served) == 1, 60, 0.1, served.log_tail
-            )
-            assert not plain.done(), plain.result().text
-            plain.cancel()  # the client leaves: minutes of it are left
-            return ended
+        paused.suspend()
+        try:
+            # Minutes of work left on each: the worker drops them for the
+            # silence (--gateway-timeout, 30 s).
+            await asyncio.to_thread(served.wait_for_log, dropped, 90, worker_since)
+        finally:
+            paused.resume()
+        # The 503s wait in the gateway's socket: the stream ends at once,
+        # not after the 4,000 tokens (minutes) it asked for...
+        ended = await asyncio.wait_for(stream, 120)
+        # ...and the plain request runs again on the only worker there is.
+        await asyncio.to_thread(
+            gateway.wait_for_log,
+            "retrying on any worker: the worker dropped the request",
+            60,
+            since,
+        )
+        await asyncio.to_thread(
+            wait_for, lambda: worker_running(served) == 1, 60, 0.1, served.log_tail
+        )
+        assert not plain.done(), plain.result().text
+        plain.cancel()  # the client leaves: minutes of it are left
+        return ended
 
     # The gateway is the one stalled here, by the test. Should the machine
     # stall it first for the worker's --gateway-timeout (in CI a gateway once
