@@ -227,8 +227,10 @@ def test_streaming_client_leaving_the_queue_is_removed_from_it(
     before = metric(
         gateway.base_url, "llmgate_requests_total", status="499", route="/v1/completions"
     )
-    # One request takes the worker's only slot here; a streaming one queues behind it.
-    with raw_post(gateway.base_url, LONG, f"holder-{time.time_ns()}"):
+    # One request takes the worker's only slot here; a streaming one queues
+    # behind it. The engine is stopped meanwhile, so the holder cannot end on
+    # its own however late the test looks (a CI run once found it gone).
+    with engine_stopped(served), raw_post(gateway.base_url, LONG, f"holder-{time.time_ns()}"):
         wait_for(lambda: in_flight(gateway) == 1, timeout=60, show=gateway.log_tail)
         with raw_post(gateway.base_url, {**LONG, "stream": True}, f"queued-{time.time_ns()}"):
             wait_for(
@@ -517,6 +519,13 @@ def test_a_gateway_paused_past_the_gateway_timeout_gets_its_requests_ended_not_h
             or dropped in served.log_path.read_text(errors="replace")[worker_since:]
         ):
             raise MachineStalled(log)
+        if took is None and (stream.done() or first_chunk > 60):
+            # Minutes of engine work ran by before this process looked: the
+            # test itself stalled (a CI run read its first chunk some four
+            # minutes late, once the stream had run to its end).
+            raise MachineStalled(
+                f"the first chunk was read after {first_chunk:.0f}s; the stream: {state_of(stream)}"
+            )
         if took is None:
             pytest.fail(
                 f"the two requests never both ran on the worker (running: "
@@ -567,7 +576,10 @@ def test_a_gateway_paused_past_the_gateway_timeout_gets_its_requests_ended_not_h
         except MachineStalled as stalled:
             if attempt == 2:
                 raise
-            print(f"attempt {attempt}: the machine stalled the gateway first; again\n{stalled}")
+            print(
+                f"attempt {attempt}: the machine stalled the gateway or this test first; "
+                f"again\n{stalled}"
+            )
         finally:
             paused.resume()
     assert stream.tokens and stream.done, stream
