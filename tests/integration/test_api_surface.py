@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import time
 
 import httpx
 import jsonschema
@@ -163,11 +164,21 @@ def test_content_parts_are_rendered_like_plain_text(client: openai.OpenAI) -> No
     assert parts.choices[0].message.content == plain.choices[0].message.content
 
 
-def test_a_prompt_over_max_input_tokens_is_400_naming_the_limit(client: openai.OpenAI) -> None:
+def test_a_prompt_over_max_input_tokens_is_400_naming_the_limit(
+    client: openai.OpenAI, served: Served
+) -> None:
+    rid = f"over-the-limit-{time.time_ns()}"
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt=[1] * 4001, max_tokens=1)
+        client.completions.create(
+            model=MODEL, prompt=[1] * 4001, max_tokens=1, extra_headers={"X-Request-Id": rid}
+        )
     assert "--max-input-tokens of 4000" in info.value.message
     assert "4001" in info.value.message
+    # The worker and the gateway both log why it ended (the worker first: it
+    # logs before it answers).
+    why = f"400 {info.value.body['message']} [request_id={rid}]"  # type: ignore[index]
+    log = served.wait_for_log(f"gateway.api.call: the worker failed the request: {why}", 30)
+    assert f"worker.server: request refused: {why}" in log
 
 
 def test_prompt_plus_max_tokens_over_max_total_tokens_is_400(client: openai.OpenAI) -> None:

@@ -584,6 +584,8 @@ def test_a_gateway_paused_past_the_gateway_timeout_gets_its_requests_ended_not_h
             paused.resume()
     assert stream.tokens and stream.done, stream
     assert stream.error is not None and "--gateway-timeout" in stream.error, stream
+    # The gateway says so: a stream under way that ends early is a warning.
+    assert "stream ended by its worker: 503" in gateway.log_path.read_text(errors="replace")[since:]
     assert retried() == retried_before + 1
     # It says why: it was the one stalled, not its worker, and not by its own work.
     assert STARVED.search(gateway.wait_for_log("this gateway's event loop woke", 10, since))
