@@ -83,29 +83,21 @@ def seconds_until(predicate, timeout: float, interval: float = 0.1) -> float | N
 def engine_counts(served: Served) -> str:
     """vLLM's own running and waiting counts on the session worker (its metrics page)."""
     text = httpx.get(f"http://127.0.0.1:{served.worker_metrics_port}/metrics", timeout=30).text
-    return ", ".join(
-        f"{sample.name}{{{sample.labels['reason']}}} {sample.value:g}"
-        if "reason" in sample.labels
-        else f"{sample.name} {sample.value:g}"
-        for family in text_string_to_metric_families(text)
-        if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting_by_reason")
-        for sample in family.samples
-    )
+    running = value_in(text, "vllm:num_requests_running")
+    waiting = value_in(text, "vllm:num_requests_waiting")
+    return f"vLLM running {running}, waiting {waiting}"
 
 
 def state_of(task: asyncio.Future) -> str:  # type: ignore[type-arg]
-    """What a failure message says of a client's request task: still waiting, or how it ended."""
+    """What a failure message says of a client's request task: not ended, or how it ended."""
     if not task.done():
         return "not ended"
-    if task.exception() is not None:
-        return repr(task.exception())
-    result = task.result()
-    if isinstance(result, Stream):
+    if task.exception() is None and isinstance(stream := task.result(), Stream):
         return (
-            f"ended: status {result.status}, {len(result.tokens)} tokens, "
-            f"done {result.done}, error {result.error!r}"
+            f"ended: status {stream.status}, {len(stream.tokens)} tokens, "
+            f"done {stream.done}, error {stream.error!r}"
         )
-    return f"ended: {result!r} {getattr(result, 'text', '')[:300]}"
+    return f"ended: {describe(task)}"
 
 
 class MachineStalled(Exception):
@@ -529,7 +521,7 @@ def test_a_gateway_paused_past_the_gateway_timeout_gets_its_requests_ended_not_h
         if took is None:
             pytest.fail(
                 f"the two requests never both ran on the worker (running: "
-                f"{worker_running(served)}, engine: {engine_counts(served)}; the first "
+                f"{worker_running(served)}, {engine_counts(served)}; the first "
                 f"chunk came after {first_chunk:.1f}s, then {time.monotonic() - sent:.1f}s "
                 f"in all; the stream: {state_of(stream)}; the plain request: "
                 f"{state_of(plain)})\n{gateway.log_tail()}\n{served.log_tail()}"
