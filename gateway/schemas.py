@@ -21,7 +21,10 @@ T = TypeVar("T", bound=msgspec.Struct)
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 # Token ids are never negative; the worker checks them against the vocabulary.
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
-Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+# vLLM's bounds on ``seed`` (torch's int64); beyond them, vLLM's own error
+# (``seed_out_of_range``).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+Seed = Annotated[int, msgspec.Meta(ge=SEED_MIN, le=SEED_MAX)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 
@@ -86,11 +89,10 @@ class CompletionRequest(_Sampling, kw_only=True):
             raise ValueError("prompt token-id lists must not be empty")
 
 
-ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
-
-
 class ChatMessage(msgspec.Struct, kw_only=True):
-    role: ChatRole
+    # Any string, as in vLLM (its ``CustomChatCompletionMessageParam``): a
+    # role other than OpenAI's reaches the chat template as it came.
+    role: str
     # Text, or OpenAI content parts ({"type": "text", "text": ...}, ...);
     # None is allowed for assistant messages that carry tool calls.
     content: str | list[dict[str, Any]] | None = None
@@ -172,6 +174,10 @@ def validate(raw: dict[str, Any], schema: type[T]) -> T:
     try:
         return msgspec.convert(raw, schema, strict=True)
     except msgspec.ValidationError as exc:
+        if str(exc).endswith(" - at `$.seed`"):
+            out_of_range = seed_out_of_range(raw.get("seed"))
+            if out_of_range is not None:
+                raise BadRequest(out_of_range, "body.seed") from exc
         message = str(exc)
         param = None
         if " - at `$." in message:
@@ -179,6 +185,41 @@ def validate(raw: dict[str, Any], schema: type[T]) -> T:
             param = path.rstrip("`")
             message = f"Invalid value for '{param}': {message}"
         raise BadRequest(message, param) from exc
+
+
+# How much of a refused value vLLM's error handler echoes.
+_MAX_ERROR_INPUT_CHARS = 200
+
+
+def seed_out_of_range(seed: Any) -> str | None:
+    """vLLM's message for an integer ``seed`` beyond its bounds, else None.
+
+    vLLM's server answers a request its pydantic model refuses with the
+    error list its ``validation_exception_handler`` renders; clients and
+    vLLM's tests match on the constraint's name (``less_than_equal``,
+    ``greater_than_equal``), so the gateway says it word for word.
+    """
+    if not isinstance(seed, int) or isinstance(seed, bool) or SEED_MIN <= seed <= SEED_MAX:
+        return None
+    kind, words, key, bound = (
+        ("less_than_equal", "less than or equal to", "le", SEED_MAX)
+        if seed > SEED_MAX
+        else ("greater_than_equal", "greater than or equal to", "ge", SEED_MIN)
+    )
+    try:
+        shown = str(seed)
+    except ValueError:  # past sys.get_int_max_str_digits(), as vLLM shows it
+        shown = "<int>"
+    if len(shown) > _MAX_ERROR_INPUT_CHARS:
+        shown = shown[:_MAX_ERROR_INPUT_CHARS] + "...[truncated]"
+    error = {
+        "type": kind,
+        "loc": "body.seed",
+        "msg": f"Input should be {words} {bound}",
+        "input": shown,
+        "ctx": {key: bound},
+    }
+    return f"1 validation error:\n  {error}"
 
 
 class VllmRequest(msgspec.Struct, kw_only=True):

@@ -57,7 +57,7 @@ def test_bodies_the_gateway_accepts_validate_against_the_document(
     ("path", "body"),
     [
         ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 0}),
-        ("/v1/chat/completions", {"model": "m", "messages": [{"role": "robot"}]}),
+        ("/v1/chat/completions", {"model": "m", "messages": [{"role": 5}]}),
         ("/generate", {"inputs": "hi", "parameters": {"temperature": 0}}),
     ],
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 
 from gateway import errors, schemas
@@ -90,11 +91,57 @@ def test_missing_model_is_refused() -> None:
 
 
 @pytest.mark.parametrize(
-    "messages", [[], "hi", [{"content": "hi"}], [{"role": "wizard", "content": "hi"}]]
+    "messages", [[], "hi", [{"content": "hi"}], [{"role": 5, "content": "hi"}]]
 )
 def test_bad_messages_are_refused(messages: Any) -> None:
     with pytest.raises(errors.BadRequest):
         schemas.validate(chat(messages=messages), schemas.ChatCompletionRequest)
+
+
+@pytest.mark.parametrize("content", ["what is 1+1?", [{"type": "text", "text": "what is 1+1?"}]])
+def test_a_custom_role_is_accepted_as_vllm_accepts_it(content: Any) -> None:
+    # vLLM's server takes any string role and hands it to the chat template;
+    # the gateway once refused it ("Invalid enum value").
+    messages = [{"role": "my-custom-role", "content": content}]
+    body = schemas.validate(chat(messages=messages), schemas.ChatCompletionRequest)
+    assert body.messages[0].role == "my-custom-role"
+
+
+# vLLM 0.32's answer, word for word (its validation_exception_handler over
+# pydantic's error for `seed: int = Field(ge=-(2**63), le=2**63 - 1)`).
+SEED_TOO_BIG = (
+    "1 validation error:\n  {'type': 'less_than_equal', 'loc': 'body.seed', "
+    "'msg': 'Input should be less than or equal to 9223372036854775807', "
+    "'input': '9223372036854775808', 'ctx': {'le': 9223372036854775807}}"
+)
+SEED_TOO_SMALL = (
+    "1 validation error:\n  {'type': 'greater_than_equal', 'loc': 'body.seed', "
+    "'msg': 'Input should be greater than or equal to -9223372036854775808', "
+    "'input': '-9223372036854775809', 'ctx': {'ge': -9223372036854775808}}"
+)
+
+
+@pytest.mark.parametrize(("seed", "says"), [(2**63, SEED_TOO_BIG), (-(2**63) - 1, SEED_TOO_SMALL)])
+@pytest.mark.parametrize("make", [completion, chat], ids=["completion", "chat"])
+def test_a_seed_out_of_range_gets_vllms_message(make: Any, seed: int, says: str) -> None:
+    struct = schemas.ChatCompletionRequest if make is chat else schemas.CompletionRequest
+    raw = schemas.decode_body(msgspec.json.encode(make(seed=seed)))
+    with pytest.raises(errors.BadRequest) as info:
+        schemas.validate(raw, struct)
+    assert (info.value.status, info.value.message, info.value.param) == (400, says, "body.seed")
+
+
+def test_a_long_seed_is_cut_in_the_message_as_vllm_cuts_it() -> None:
+    message = schemas.seed_out_of_range(10**300)
+    assert message is not None
+    assert "'input': '" + "1" + "0" * 199 + "...[truncated]'" in message
+    assert "'type': 'less_than_equal'" in message
+
+
+@pytest.mark.parametrize("seed", [2**63 - 1, -(2**63), 0])
+def test_seeds_within_int64_are_accepted(seed: int) -> None:
+    assert schemas.validate(completion(seed=seed), schemas.CompletionRequest).seed == seed
+    assert schemas.seed_out_of_range(seed) is None
 
 
 def test_content_parts_are_accepted() -> None:

@@ -35,6 +35,31 @@ _CHATS: list[dict[str, Any]] = [
 ]
 
 
+# Answers that once differed from vLLM's server (found by running vLLM's own
+# OpenAI-server tests against both), named after what each pins: a custom
+# role reaches the chat template (the gateway said "Invalid enum value"); a
+# seed beyond int64 is vLLM's pydantic error, whose constraint names
+# (less_than_equal, greater_than_equal) clients match on.
+_INT64_MAX = 2**63 - 1
+_CUSTOM_ROLE = "my-custom-role"
+_CMPL_SEEDED: dict[str, Any] = {"prompt": "The capital of France is", "max_tokens": 4}
+_CHAT_SEEDED: dict[str, Any] = {"messages": FRANCE, "max_tokens": 4}
+_PINNED: dict[str, dict[str, Any]] = {
+    "chat-custom-role": {
+        "messages": [{"role": _CUSTOM_ROLE, "content": "what is 1+1?"}],
+        "max_tokens": 8,
+    },
+    "chat-custom-role-parts": {
+        "messages": [{"role": _CUSTOM_ROLE, "content": [{"type": "text", "text": "what is 1+1?"}]}],
+        "max_tokens": 8,
+    },
+    "chat-seed-above-int64": {**_CHAT_SEEDED, "seed": _INT64_MAX + 1},
+    "chat-seed-below-int64": {**_CHAT_SEEDED, "seed": -_INT64_MAX - 2},
+    "cmpl-seed-above-int64": {**_CMPL_SEEDED, "seed": _INT64_MAX + 1},
+    "cmpl-seed-below-int64": {**_CMPL_SEEDED, "seed": -_INT64_MAX - 2},
+}
+
+
 def cases() -> list[tuple[str, str, dict[str, Any]]]:
     """(name, path, body) for every request, each once whole and once streamed."""
     out = []
@@ -46,6 +71,11 @@ def cases() -> list[tuple[str, str, dict[str, Any]]]:
                     full["stream_options"] = {"include_usage": True}
                 kind = "chat" if "messages" in body else "cmpl"
                 out.append((f"{kind}{i}-{'stream' if stream else 'whole'}", path, full))
+    for name, body in _PINNED.items():
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        for stream in (False, True):
+            full = {"model": MODEL, "temperature": 0, **body, "stream": stream}
+            out.append((f"{name}-{'stream' if stream else 'whole'}", path, full))
     return out
 
 

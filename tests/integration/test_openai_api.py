@@ -327,7 +327,7 @@ def test_malformed_bodies_are_400_in_openai_shape(base_url: str, body: bytes) ->
     [
         {"model": MODEL},
         {"model": MODEL, "messages": "hello"},
-        {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]},
+        {"model": MODEL, "messages": [{"role": 5, "content": "hi"}]},
         {"model": MODEL, "messages": [{"content": "hi"}]},
         {"messages": [{"role": "user", "content": "hi"}]},
     ],
