@@ -6,8 +6,11 @@ this gateway than the capacity the worker reports, vLLM's
 the routing policy. When none has one, it waits in a bounded queue
 (``--max-queue``) for up to ``--queue-timeout`` (or its deadline); past
 either bound it is refused with 429. With no healthy worker at all, a
-request waits ``--startup-timeout`` for one, then gets 503; a model no
-healthy worker serves is a 404.
+request waits ``--startup-timeout`` for one, then gets 503. A model no
+healthy worker serves is a 503 too when the config declares it or a worker
+has served it (``errors.ModelNotReady``: its pool is starting, or its
+workers are down); only a name nobody declared is a 404. Every 503 for want
+of a worker carries ``Retry-After``.
 
 Pools and tiers (``gateway.models``): a request's target lists the pools it
 may run on, home tier first. It starts on its home pool when that has a free
@@ -116,7 +119,9 @@ class Admission:
         ``low_priority``: after every interactive request (a batch line)."""
         if not self.workers.any_healthy and not await self.workers.wait_for_any():
             metrics.REJECTED.labels("no_worker").inc()
-            raise errors.NoWorker("No worker is available; try again later.")
+            if target.declared:
+                raise self._not_ready(target)
+            raise errors.NoWorker("No worker is available yet; try again shortly.")
         tiers = self._live_tiers(target, exclude)
         home = tiers[0]
         home_queue = self.pool(home)
@@ -366,10 +371,18 @@ class Admission:
         model = target.model
         healthy = self.workers.healthy()
         serving = [w for w in healthy if any(t.model in w.models for t in target.tiers)]
-        if not serving:
-            if healthy and not any(w.draining for w in healthy):
-                raise errors.ModelNotFound.for_model(model)
+        if serving:
             metrics.REJECTED.labels("no_worker").inc()
-            raise errors.NoWorker(f"No worker for model `{model}` is available.")
+            raise errors.NoWorker(f"No other worker for model `{model}` is available.")
+        if target.declared or model in self.workers.known_models:
+            # Its pool is starting (or down): it will be served, so not a 404.
+            metrics.REJECTED.labels("no_worker").inc()
+            raise self._not_ready(target)
+        if healthy and not any(w.draining for w in healthy):
+            raise errors.ModelNotFound.for_model(model)
         metrics.REJECTED.labels("no_worker").inc()
-        raise errors.NoWorker(f"No other worker for model `{model}` is available.")
+        raise errors.NoWorker(f"No worker for model `{model}` is available.")
+
+    def _not_ready(self, target: Target) -> errors.ModelNotReady:
+        served_before = target.model in self.workers.known_models
+        return errors.ModelNotReady.for_model(target.model, served_before)

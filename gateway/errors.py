@@ -9,9 +9,14 @@ Every error a client can see is a :class:`GatewayError`:
     ├── NotFound                     (404 invalid_request_error: no such route)
     │   └── ModelNotFound            (404 invalid_request_error, code model_not_found)
     ├── Overloaded                   (429 rate_limit_exceeded, Retry-After)
-    ├── NoWorker                     (503 service_unavailable)
+    ├── NoWorker                     (503 service_unavailable, Retry-After)
+    │   └── ModelNotReady            (503 service_unavailable, code model_not_ready)
     ├── UpstreamFailed               (502 api_error: a worker died or broke mid-request)
     └── Timeout                      (504 timeout)
+
+A model the config declares (or a worker has served) that no worker serves
+now is a :class:`ModelNotReady` (its pool is starting, or its workers are
+down), never a 404: only a name nobody declared is a :class:`ModelNotFound`.
 
 A ``Failed`` message from a worker becomes the subclass for its status via
 :func:`from_status`. The body is OpenAI's:
@@ -23,6 +28,10 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import msgspec
+
+# Seconds a 503 for want of a worker tells the client to wait (Retry-After):
+# a worker that is starting takes tens of seconds, a restart about as long.
+NO_WORKER_RETRY_AFTER = 5
 
 
 class GatewayError(Exception):
@@ -98,6 +107,34 @@ class Overloaded(GatewayError):
 class NoWorker(GatewayError):
     status = 503
     type = "service_unavailable"
+
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        retry_after: int | None = NO_WORKER_RETRY_AFTER,
+    ) -> None:
+        super().__init__(message, param)
+        # Seconds a client may wait before trying again; None: no Retry-After
+        # (a 503 that waiting does not cure).
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+
+
+class ModelNotReady(NoWorker):
+    """A declared model no worker serves yet (its pool is starting) or now (down)."""
+
+    code = "model_not_ready"
+
+    @classmethod
+    def for_model(cls, model: str, served_before: bool) -> ModelNotReady:
+        if served_before:
+            why = "no worker serves it now (its workers are down or restarting)"
+        else:
+            why = "it is starting, and no worker serves it yet"
+        return cls(f"The model `{model}` is not ready: {why}; try again shortly.", "model")
 
 
 class UpstreamFailed(GatewayError):

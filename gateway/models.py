@@ -7,8 +7,12 @@ pools that serve it (by tier), then those the config declares as its
 substitutes. Admission (``gateway.admission``) starts the request on the
 first tier with a free slot it may use; the later tiers only take it by
 spill-over. Without a config file every name is its own target, served by
-whichever workers say they serve it (and a name no worker serves is a 404
-there, as before).
+whichever workers say they serve it.
+
+A target the config declares (:attr:`Target.declared`: a served model, an
+alias, ``auto``'s choice) that no worker serves yet is a 503 with
+``Retry-After`` (its pool is starting, or down), not a 404: only a name
+nobody declared, and no worker has ever served, is (``gateway.admission``).
 
 ``auto`` evaluates the config's rules in order, first match wins: prompt
 length in tokens, ``max_tokens``, ``response_format``/``tools`` present,
@@ -66,6 +70,12 @@ class Target:
     # Auto's default route with a cascade: where to escalate, and the bar.
     escalate_to: Target | None = None
     min_mean_logprob: float = 0.0
+
+    @property
+    def declared(self) -> bool:
+        """Whether the config declares it: its tiers name their pools, where an
+        undeclared name's one tier is "any worker serving it" (pool "")."""
+        return any(tier.pool for tier in self.tiers)
 
 
 @dataclass

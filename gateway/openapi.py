@@ -44,11 +44,11 @@ class TgiError(msgspec.Struct):
 _ERRORS = {
     "400": "The body is not valid: the message names the field (422 on TGI routes).",
     "401": "No or a wrong API key.",
-    "404": "Unknown model.",
+    "404": "A model nobody declared and no worker serves.",
     "413": "The body is larger than --max-body-bytes.",
     "429": "The queue is full or the wait timed out; see Retry-After.",
     "502": "The worker was lost and the request could not be retried.",
-    "503": "No healthy worker serves the model.",
+    "503": "No healthy worker serves the model yet (starting) or now; see Retry-After.",
     "504": "The request ran past its deadline.",
 }
 

@@ -39,7 +39,10 @@ def _batches(request: Request) -> Batches:
 def _store(request: Request) -> Store:
     batches = _batches(request)
     if batches.store is None:
-        raise errors.NoWorker(f"Files and batches are unavailable: {batches.problem}")
+        # Waiting does not cure it (its state directory): no Retry-After.
+        raise errors.NoWorker(
+            f"Files and batches are unavailable: {batches.problem}", retry_after=None
+        )
     return batches.store
 
 

@@ -48,3 +48,20 @@ def test_body_is_openai_shaped() -> None:
 def test_overloaded_says_when_to_retry() -> None:
     error = errors.Overloaded("busy", retry_after=3)
     assert error.status == 429 and error.headers() == {"Retry-After": "3"}
+
+
+def test_a_model_not_ready_is_a_503_that_says_when_to_retry() -> None:
+    error = errors.ModelNotReady.for_model("m", served_before=False)
+    assert error.status == 503
+    assert error.headers() == {"Retry-After": str(errors.NO_WORKER_RETRY_AFTER)}
+    body = msgspec.json.decode(error.json())["error"]
+    assert body["code"] == "model_not_ready" and body["param"] == "model"
+    assert body["type"] == "service_unavailable"
+    assert "starting" in body["message"]
+    assert "down" in errors.ModelNotReady.for_model("m", served_before=True).message
+
+
+def test_every_503_for_want_of_a_worker_says_when_to_retry_unless_told_not_to() -> None:
+    assert "Retry-After" in errors.NoWorker("none").headers()
+    assert "Retry-After" in errors.from_status(503, "draining").headers()
+    assert errors.NoWorker("broken", retry_after=None).headers() == {}

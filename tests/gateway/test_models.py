@@ -57,6 +57,15 @@ def test_an_undeclared_name_goes_to_whichever_workers_serve_it() -> None:
     assert Models().resolve("m", {}, []).tiers == (Tier("", "m"),)  # no config
 
 
+def test_only_the_configs_names_are_declared() -> None:
+    """A declared name no worker serves yet is a 503 (starting), an undeclared one a 404."""
+    table = models()
+    for name in ("cheap", "big", "fast", "auto"):
+        assert table.resolve(name, {}, []).declared, name
+    assert not table.resolve("some-lora", {}, []).declared
+    assert not Models().resolve("m", {}, []).declared  # no config: nothing is
+
+
 def test_auto_rules_match_in_order_first_match_wins() -> None:
     assert route({"prompt": "hi"}, [(b"x-llmgate-tier", b"expensive")]) == "by-header"
     assert route({"prompt": "hi"}, [(b"x-llmgate-tier", b"cheap")]) == "default"

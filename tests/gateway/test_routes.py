@@ -32,6 +32,18 @@ def test_errors_are_rendered_in_the_routes_dialect(route: routes.Route) -> None:
         assert body["error"]["param"] == "temperature"
 
 
+@pytest.mark.parametrize("route", routes.ROUTES, ids=lambda route: route.path)
+def test_a_model_not_ready_keeps_its_retry_after_in_every_dialect(route: routes.Route) -> None:
+    response = routes.render(errors.ModelNotReady.for_model("m", False), route.path)
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == str(errors.NO_WORKER_RETRY_AFTER)
+    body = json.loads(bytes(response.body))
+    if route.dialect == "tgi":
+        assert body["error_type"] == "unhealthy" and "starting" in body["error"]
+    else:
+        assert body["error"]["code"] == "model_not_ready"
+
+
 @pytest.mark.parametrize(
     ("path", "tgi"), [("/v1/completions", False), ("/generate", True), ("/", True)]
 )

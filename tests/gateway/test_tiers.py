@@ -133,6 +133,89 @@ async def test_an_unknown_model_is_a_404_even_with_pools() -> None:
     pool.workers.ctx.term()
 
 
+STARTING = """\
+pools:
+  - {name: up, served_model_name: m}
+  - {name: starting, served_model_name: later}
+aliases:
+  soon: later
+auto:
+  rules:
+    - {headers: {x-tier: up}, use: m}
+  default: soon
+"""
+
+
+def starting_pool() -> Pool:
+    """Pool `up` has its worker; pool `starting` has none yet."""
+    pool = Pool(GatewaySettings(), models=Models(config.parse(STARTING)))
+    worker(pool, "up", "m", capacity=4)
+    return pool
+
+
+async def test_a_declared_model_whose_pool_is_starting_is_a_503_not_a_404() -> None:
+    """Regression: the alias of a pool still starting answered 404 "does not exist"."""
+    pool = starting_pool()
+    for name in ("later", "soon", "auto"):
+        with pytest.raises(errors.ModelNotReady) as refused:
+            await pool.submit("x", "completion", pool.names.resolve(name, {}, []), {}, 0.0)
+        assert refused.value.status == 503 and refused.value.param == "model"
+        assert refused.value.headers() == {"Retry-After": str(errors.NO_WORKER_RETRY_AFTER)}
+        assert "`later` is not ready: it is starting" in refused.value.message
+    # auto's rule for the pool that is up runs; a name nobody declared is a 404.
+    target = pool.names.resolve("auto", {}, [(b"x-tier", b"up")])
+    handle = await pool.submit("y", "completion", target, {}, 0.0)
+    assert handle.worker.pool == "up"
+    handle.close()
+    with pytest.raises(errors.ModelNotFound):
+        await pool.submit("z", "completion", pool.names.resolve("nope", {}, []), {}, 0.0)
+    pool.workers.ctx.term()
+
+
+async def test_a_declared_model_is_served_once_its_worker_comes_up() -> None:
+    pool = starting_pool()
+    worker(pool, "starting", "later", capacity=1)
+    handle = await pool.submit("x", "completion", pool.names.resolve("soon", {}, []), {}, 0.0)
+    assert handle.worker.pool == "starting" and handle.tier.model == "later"
+    handle.close()
+    pool.workers.ctx.term()
+
+
+async def test_a_declared_model_whose_workers_died_is_a_503_that_says_so() -> None:
+    pool = starting_pool()
+    later = worker(pool, "starting", "later", capacity=1)
+    pool.workers.lose(later, "its connection dropped")
+    with pytest.raises(errors.ModelNotReady) as refused:
+        await pool.submit("x", "completion", pool.names.resolve("soon", {}, []), {}, 0.0)
+    assert "no worker serves it now" in refused.value.message
+    pool.workers.ctx.term()
+
+
+async def test_without_a_config_a_model_once_served_is_a_503_and_a_new_name_a_404() -> None:
+    pool = Pool(GatewaySettings(), models=Models())
+    worker(pool, "a", "m", capacity=1)
+    gone = worker(pool, "b", "m2", capacity=1)
+    pool.workers.lose(gone, "its connection dropped")
+    with pytest.raises(errors.ModelNotReady):
+        await pool.submit("x", "completion", "m2", {}, 0.0)
+    with pytest.raises(errors.ModelNotFound):
+        await pool.submit("y", "completion", "m3", {}, 0.0)
+    pool.workers.ctx.term()
+
+
+async def test_with_no_worker_up_at_all_a_request_gets_a_503_with_retry_after() -> None:
+    pool = Pool(GatewaySettings(startup_timeout=0.01), models=Models(config.parse(STARTING)))
+    # A declared name says it is starting; any other name cannot be judged yet.
+    with pytest.raises(errors.ModelNotReady) as declared:
+        await pool.submit("x", "completion", pool.names.resolve("soon", {}, []), {}, 0.0)
+    with pytest.raises(errors.NoWorker) as undeclared:
+        await pool.submit("y", "completion", pool.names.resolve("nope", {}, []), {}, 0.0)
+    assert type(undeclared.value) is errors.NoWorker
+    for refused in (declared, undeclared):
+        assert refused.value.headers() == {"Retry-After": str(errors.NO_WORKER_RETRY_AFTER)}
+    pool.workers.ctx.term()
+
+
 async def test_requests_queued_for_a_pool_start_when_its_worker_comes_up() -> None:
     pool = await make_pool("null")
     home = pool.workers.by_address["tcp://home:5550"]

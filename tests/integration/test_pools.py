@@ -4,7 +4,9 @@ The README's worked example, as printed: the embedded model in bfloat16
 (pool ``small``, 4 slots, core 0) and in float32 (pool ``large``, tier 2 and
 the small pool's substitute, core 1). Names, aliases, ``auto`` rules,
 cascade and spill-over, each checked through the response headers that say
-who answered. Slow: two more engines start for this module.
+who answered. Slow: two more engines start for this module. And a lone
+gateway in front of the session's worker whose config declares a second pool
+with no worker up yet: its names are a 503 with ``Retry-After``, not a 404.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ROOT, Served, start_serve, stop_serve
+from shared.ports import free_port
+from tests.conftest import MODEL, ROOT, Served, start_gateway, start_serve, stop_serve
 from tests.integration.lora import write_zero_lora
 from tests.integration.test_pool import metric
 from worker.embedded_model import default_model_dir
@@ -163,6 +166,90 @@ def test_an_unknown_model_is_a_404(pools: Served) -> None:
     )
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "model_not_found"
+
+
+# A pool with its worker (the session's) and one whose worker is not up: no
+# worker listens at its address, so it is "still starting" for as long as the
+# test needs, with no race against a real start.
+STARTING = """\
+pools:
+  - {{name: up, served_model_name: {model}, addresses: ["{up}"]}}
+  - {{name: starting, served_model_name: later-model, addresses: ["{starting}"]}}
+aliases:
+  now: {model}
+  soon: later-model
+auto:
+  rules:
+    - {{name: up, headers: {{x-llmgate-tier: up}}, use: now}}
+  default: soon
+"""
+
+
+@pytest.fixture(scope="module")
+def starting(served: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    directory = tmp_path_factory.mktemp("starting")
+    config = directory / "pools.yaml"
+    address = served.worker_addresses()
+    config.write_text(
+        STARTING.format(model=MODEL, up=address, starting=f"tcp://127.0.0.1:{free_port()}")
+    )
+    gateway = start_gateway(directory / "gateway.log", address, "--config", str(config))
+    try:
+        yield gateway
+    finally:
+        stop_serve(gateway)
+
+
+@pytest.mark.parametrize("model", ["later-model", "soon", "auto"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_declared_model_whose_pool_is_starting_is_a_503_not_a_404(
+    starting: Served, model: str, path: str
+) -> None:
+    """Regression: the alias of a pool whose worker was still starting answered
+    404 "does not exist" while another pool's worker was up."""
+    body = {"model": model, "max_tokens": 4}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "Hi"}]
+    else:
+        body["prompt"] = "Hi"
+    response = httpx.post(f"{starting.base_url}{path}", json=body, timeout=60)
+    assert response.status_code == 503, response.text
+    assert response.headers["retry-after"] == "5"
+    error = response.json()["error"]
+    assert error["code"] == "model_not_ready" and error["param"] == "model"
+    assert "`later-model` is not ready: it is starting" in error["message"]
+
+
+def test_a_starting_model_is_a_503_in_tgis_shape_on_tgis_routes(starting: Served) -> None:
+    body = {"inputs": "Hi", "model": "soon", "parameters": {"max_new_tokens": 4}}
+    response = httpx.post(f"{starting.base_url}/generate", json=body, timeout=60)
+    assert response.status_code == 503, response.text
+    assert response.headers["retry-after"] == "5"
+    assert response.json()["error_type"] == "unhealthy"
+    assert "is starting" in response.json()["error"]
+
+
+def test_the_openai_sdk_sees_a_retryable_503_for_a_starting_model(starting: Served) -> None:
+    client = openai.OpenAI(base_url=f"{starting.base_url}/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.InternalServerError) as refused:
+        client.completions.create(model="soon", prompt="Hi", max_tokens=4)
+    assert refused.value.status_code == 503
+    assert refused.value.response.headers["retry-after"] == "5"
+
+
+def test_beside_a_starting_pool_the_pool_that_is_up_answers_and_unknown_names_are_404(
+    starting: Served,
+) -> None:
+    url = f"{starting.base_url}/v1/completions"
+    for model, headers in ((MODEL, {}), ("now", {}), ("auto", {"x-llmgate-tier": "up"})):
+        body = {"model": model, "prompt": "The capital of France is", "max_tokens": 4}
+        response = httpx.post(url, json=body, headers=headers, timeout=120)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-llmgate-pool"] == "up"
+    unknown = httpx.post(url, json={"model": "gpt-9", "prompt": "Hi"}, timeout=60)
+    assert unknown.status_code == 404, unknown.text
+    assert unknown.json()["error"]["code"] == "model_not_found"
+    assert "retry-after" not in unknown.headers
 
 
 async def test_a_burst_beyond_the_small_pools_slots_spills_to_tier_2(pools: Served) -> None:
