@@ -7,7 +7,8 @@ processes through ``LLMGATE_*`` environment variables, and Prometheus
 metrics through a shared multiprocess directory.
 
 SIGTERM drains: uvicorn stops accepting connections, lets in-flight
-requests finish for up to ``--drain-timeout`` seconds, and exits 0.
+requests finish for up to ``--drain-timeout`` seconds, and exits 0. Settings
+it refuses end it with status 2, as a bad flag does (``settings.refuse``).
 """
 
 from __future__ import annotations
@@ -47,11 +48,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         setup_logging(gateway.log_level, gateway.log_format)
     except ValueError as exc:
-        raise SystemExit(f"llmgate gateway: {exc}") from None
+        settings.refuse(f"llmgate gateway: {exc}")
     from gateway.policies import POLICY_NAMES
 
     if gateway.policy not in POLICY_NAMES:
-        raise SystemExit(f"--policy must be one of {', '.join(POLICY_NAMES)}")
+        settings.refuse(f"--policy must be one of {', '.join(POLICY_NAMES)}")
+    log.info("routing policy: %s", gateway.policy)
     _check_keys(gateway)
     config = _check_config(gateway)
     from gateway.cache import check_settings, merge_config
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     cached = merge_config(gateway, config)
     problem = check_settings(cached.cache, cached.cache_scope)
     if problem:
-        raise SystemExit(f"llmgate gateway: {problem}")
+        settings.refuse(f"llmgate gateway: {problem}")
     # The app factory reads its settings from the environment, in this
     # process or in uvicorn's worker processes alike.
     os.environ.update(settings.to_environment(gateway))
@@ -105,7 +107,7 @@ def _check_keys(gateway: settings.GatewaySettings) -> None:
         api_keys = load_api_keys(gateway)
         curve = gateway_curve(gateway)
     except ValueError as exc:  # the messages never quote a key
-        raise SystemExit(f"llmgate gateway: {exc}") from None
+        settings.refuse(f"llmgate gateway: {exc}")
     log.info(
         "API keys: %s; worker links: %s",
         f"{len(api_keys)} configured" if api_keys else "none (open)",
@@ -122,7 +124,7 @@ def _check_config(gateway: settings.GatewaySettings) -> Config | None:
     try:
         config = load(gateway.config)
     except ConfigError as exc:
-        raise SystemExit(f"llmgate gateway: {exc}") from None
+        settings.refuse(f"llmgate gateway: {exc}")
     log.info(
         "pools from %s: %s",
         gateway.config,

@@ -11,13 +11,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Collection
 from pathlib import Path
-from typing import Annotated, Any, TypeVar, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, NoReturn, TypeVar, get_args, get_origin, get_type_hints
 
 import msgspec
 
 ENV_PREFIX = "LLMGATE_"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+# The exit status of a process that refuses its settings: argparse's for a
+# usage error, so that ``llmgate serve`` tells a refusal from a crash and
+# stops instead of restarting the process (worker/launcher.py).
+SETTINGS_ERROR_STATUS = 2
 
 
 def _help(text: str) -> msgspec.Meta:
@@ -330,10 +335,22 @@ def fields(cls: type[msgspec.Struct]) -> list[tuple[str, type, Any, str]]:
     return out
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type[msgspec.Struct]) -> None:
-    """Add one flag per field of ``cls``; defaults come from the environment first."""
-    group = parser.add_argument_group(f"{cls.__name__} (flags or {ENV_PREFIX}* variables)")
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    cls: type[msgspec.Struct],
+    *,
+    title: str = "",
+    description: str | None = None,
+    skip: Collection[str] = (),
+) -> None:
+    """Add one flag per field of ``cls`` but those in ``skip``, in a help group
+    named ``title``; defaults come from the environment first."""
+    group = parser.add_argument_group(
+        title or f"{cls.__name__} (flags or {ENV_PREFIX}* variables)", description
+    )
     for name, kind, default, help_text in fields(cls):
+        if name in skip:
+            continue
         env = env_name(name)
         text = f"{help_text} [env {env}; default {default!r}]"
         if kind is bool:
@@ -350,6 +367,35 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[msgspec.Struct]) ->
             group.add_argument(
                 _flag(name), dest=name, type=kind, default=argparse.SUPPRESS, help=text
             )
+
+
+def given_flags(namespace: argparse.Namespace, names: Collection[str]) -> list[str]:
+    """The flags among ``names`` given on the command line parsed into ``namespace``
+    (``add_arguments`` leaves the others out), as ``--name=value`` for another process."""
+    flags = []
+    for name in names:
+        if hasattr(namespace, name):
+            value = getattr(namespace, name)
+            shown = ("true" if value else "false") if isinstance(value, bool) else str(value)
+            flags.append(f"{_flag(name)}={shown}")
+    return flags
+
+
+def refuse(message: str) -> NoReturn:
+    """Print ``message`` on stderr and exit with ``SETTINGS_ERROR_STATUS``."""
+    print(message, file=sys.stderr, flush=True)
+    raise SettingsRefused(message)
+
+
+class SettingsRefused(SystemExit):
+    """A process refusing its settings (``refuse``): ``str()`` is the message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(SETTINGS_ERROR_STATUS)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def to_environment(instance: msgspec.Struct) -> dict[str, str]:
@@ -379,7 +425,7 @@ def from_namespace(cls: type[S], namespace: argparse.Namespace) -> S:
         try:
             values[name] = _parse_bool(raw) if kind is bool else kind(raw)
         except (ValueError, argparse.ArgumentTypeError) as exc:
-            sys.exit(f"invalid {env_name(name)}={raw!r}: {exc}")
+            refuse(f"invalid {env_name(name)}={raw!r}: {exc}")
     return cls(**values)
 
 

@@ -8,7 +8,14 @@
   vLLM's front end (``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` unless the
   environment sets it), and the layout is logged at start.
 * A worker that exits is restarted with exponential backoff (reset after it
-  has run a minute); so is the gateway.
+  has run a minute); so is the gateway. A child that exits at once instead
+  (status 2, a usage or configuration error: argparse's, or settings it
+  refuses; or any exit within ``EARLY_EXIT_SECONDS`` of its start) would do
+  the same again: ``llmgate serve`` stops the others and exits non-zero,
+  ending with that child's last lines of output.
+* Each child's stderr (its log, argparse's message, a traceback) comes
+  through the launcher (``Child.relay``), which keeps its last lines for
+  that message; stdout (vLLM's log) is the launcher's own.
 * Each child runs in its own process group, so stopping one also stops what
   it spawned (vLLM's engine-core process). SIGINT/SIGTERM stop them all:
   SIGTERM to each child's main process first, so gateways and workers drain
@@ -20,8 +27,13 @@
   so a restarted engine never competes with an orphaned old one and nothing
   outlives ``llmgate serve``.
 
-Flags the launcher does not know are passed to every worker: they are vLLM
-engine flags (``--model``, ``--dtype``, ``--max-model-len``, ...).
+The gateway's settings are flags of ``llmgate serve`` too (``--policy``,
+``--api-keys-file``, ...): given, they go to the gateway only, but for those
+a worker has too (``--heartbeat-interval``, ``--drain-timeout``), which go to
+both, as their ``LLMGATE_*`` variables do. ``--workers`` is not one of them:
+the gateway's workers are the ones serve starts. Flags the launcher does not
+know are passed to every worker: they are vLLM engine flags (``--model``,
+``--dtype``, ``--max-model-len``, ...).
 
 With ``--config FILE`` (``shared.config``) the workers come from the file's
 pools instead: each pool's workers get its model, served name, engine flags
@@ -39,9 +51,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import psutil
 
@@ -55,6 +70,34 @@ log = logging.getLogger("llmgate.launcher")
 # Longer than a worker's default drain (30 s), so draining is not cut short.
 STOP_GRACE_SECONDS = 40.0
 HEALTHY_RUN_SECONDS = 60.0
+# A child that exits sooner than this after its start did not get as far as
+# serving: it refused its settings or could not start at all, and would do
+# the same again after a restart. (A worker takes longer than this to import
+# vLLM and parse its flags; argparse's status, 2, tells on it.)
+EARLY_EXIT_SECONDS = 2.0
+# What of a child's stderr the launcher keeps for the message that ends serve.
+TAIL_BYTES = 16 * 1024
+TAIL_LINES = 10
+TAIL_LINE_CHARS = 500
+
+# The gateway's settings that ``llmgate serve`` takes as flags and hands to
+# its gateway: all but those serve decides itself (its own settings of the
+# same names, which it passes on as it needs, and the workers' addresses).
+GATEWAY_FLAGS = [
+    name
+    for name, *_ in settings.fields(settings.GatewaySettings)
+    if name not in {n for n, *_ in settings.fields(settings.ServeSettings)} | {"workers"}
+]
+# Of those, the ones a worker has too go to the workers as well, as their
+# LLMGATE_* variables would (a drain or heartbeat setting is the system's).
+SHARED_FLAGS = [
+    name
+    for name in GATEWAY_FLAGS
+    if name in {n for n, *_ in settings.fields(settings.WorkerSettings)}
+]
+# Flags whose values stay out of the log, which shows each child's command
+# line (API keys never reach a log).
+SECRET_FLAGS = ("--api-keys",)
 
 
 @dataclass
@@ -71,14 +114,37 @@ class Child:
     # it exits (worker.rpc_dir).
     own_rpc_dir: bool = False
     rpc_dir: str | None = None
+    # The end of the current process's stderr, and the thread copying it.
+    tail: bytearray = field(default_factory=bytearray)
+    relay: threading.Thread | None = None
 
     def start(self) -> None:
-        log.info("starting %s: %s", self.name, " ".join(self.argv))
+        log.info("starting %s: %s", self.name, " ".join(redacted(self.argv)))
         env = dict(self.env)
         if self.own_rpc_dir:
             self.rpc_dir = rpc_dir.make(env, self.name)
-        self.proc = subprocess.Popen(self.argv, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.argv, env=env, start_new_session=True, stderr=subprocess.PIPE
+        )
         self.started_at = time.monotonic()
+        assert self.proc.stderr is not None
+        self.tail = bytearray()
+        self.relay = threading.Thread(
+            target=relay_output,
+            args=(self.proc.stderr, self.tail),
+            name=f"relay-{self.name}",
+            daemon=True,
+        )
+        self.relay.start()
+
+    def last_lines(self, wait: float = 5.0) -> list[str]:
+        """The last lines of the process's stderr, once it is copied through
+        (its end, or ``wait`` seconds: a grandchild may hold the pipe open)."""
+        if self.relay is not None:
+            self.relay.join(wait)
+        text = bytes(self.tail).decode(errors="replace")
+        lines = [line.rstrip() for line in text.splitlines()]
+        return [_clip(line) for line in lines if line.strip()][-TAIL_LINES:]
 
     def remove_rpc_dir(self) -> None:
         """Once it and its processes are gone."""
@@ -97,6 +163,56 @@ class Child:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
             pass
+
+
+def redacted(argv: Sequence[str]) -> list[str]:
+    """``argv`` with the values of ``SECRET_FLAGS`` hidden."""
+    out: list[str] = []
+    for arg in argv:
+        name, eq, _value = arg.partition("=")
+        if out and out[-1] in SECRET_FLAGS:
+            out.append("***")
+        elif name in SECRET_FLAGS and eq:
+            out.append(f"{name}=***")
+        else:
+            out.append(arg)
+    return out
+
+
+def relay_output(source: IO[bytes], tail: bytearray) -> None:
+    """Copy a child's stderr to ours as it comes (progress bars too: chunks,
+    not lines), keeping its last ``TAIL_BYTES`` in ``tail``."""
+    out = getattr(sys.stderr, "buffer", None)
+    fd = source.fileno()
+    while chunk := os.read(fd, 65536):
+        if out is not None:
+            try:
+                out.write(chunk)
+                out.flush()
+            except (OSError, ValueError):
+                # Our stderr is gone (a closed pipe): keep draining the
+                # child's, or it would block on its next write.
+                out = None
+        tail += chunk
+        del tail[:-TAIL_BYTES]
+    source.close()
+
+
+def _clip(line: str) -> str:
+    return line if len(line) <= TAIL_LINE_CHARS else line[: TAIL_LINE_CHARS - 3] + "..."
+
+
+def exited_at_once(code: int, ran: float) -> bool:
+    """Whether a child that exited with ``code`` after ``ran`` seconds did so
+    on a usage or configuration error, so that a restart would fail the same.
+
+    Status 2 is argparse's and ``settings.refuse``'s, at any time. Otherwise
+    any exit within ``EARLY_EXIT_SECONDS`` of the start, but not a death by
+    a signal (negative ``code``): someone killed it, and it may well start.
+    """
+    if code == settings.SETTINGS_ERROR_STATUS:
+        return True
+    return code >= 0 and ran < EARLY_EXIT_SECONDS
 
 
 def count_gpus() -> int:
@@ -131,7 +247,7 @@ def cpu_slices(num_workers: int, cores: list[int]) -> list[str]:
 def plan_workers(serve: settings.ServeSettings, engine_args: list[str]) -> list[Child]:
     gpus = count_gpus() if serve.device in ("auto", "gpu") else 0
     if serve.device == "gpu" and gpus == 0:
-        raise SystemExit("--device gpu, but no GPU is visible")
+        settings.refuse("--device gpu, but no GPU is visible")
     base_env = dict(os.environ)
     children = []
     if gpus:
@@ -179,7 +295,7 @@ def plan_pool_workers(
     """The workers of every pool in ``config``, numbered across pools in file order."""
     gpus = count_gpus() if serve.device in ("auto", "gpu") else 0
     if serve.device == "gpu" and gpus == 0:
-        raise SystemExit("--device gpu, but no GPU is visible")
+        settings.refuse("--device gpu, but no GPU is visible")
     # Workers whose pool names no devices share what the others leave free.
     declared = {n for pool in config.pools for d in pool.devices for n in _device_numbers(d)}
     count = sum(pool.workers for pool in config.pools if not pool.devices)
@@ -255,7 +371,9 @@ def _worker_child(
     return Child(name=f"worker-{index}", argv=argv, env=env, own_rpc_dir=True)
 
 
-def _gateway_child(serve: settings.ServeSettings, num_workers: int) -> Child:
+def _gateway_child(
+    serve: settings.ServeSettings, num_workers: int, gateway_flags: Sequence[str] = ()
+) -> Child:
     workers = ",".join(worker_address(serve, i) for i in range(num_workers))
     argv = [
         sys.executable,
@@ -282,6 +400,8 @@ def _gateway_child(serve: settings.ServeSettings, num_workers: int) -> Child:
         *("--cache-max-bytes", str(serve.cache_max_bytes), "--cache-scope", serve.cache_scope),
         *("--state-dir", serve.state_dir),
         *("--batch-max-inflight", str(serve.batch_max_inflight)),
+        # The gateway's own settings given to serve (GATEWAY_FLAGS).
+        *gateway_flags,
     ]
     return Child(name="gateway", argv=argv, env=dict(os.environ))
 
@@ -324,6 +444,8 @@ class Supervisor:
         self.children = children
         self.stopping = False
         self.force = False
+        # The child that exited at once (exited_at_once), its status and run time.
+        self.failed: tuple[Child, int, float] | None = None
 
     def request_stop(self, signum: int, _frame: object) -> None:
         if self.stopping:
@@ -345,7 +467,22 @@ class Supervisor:
                 time.sleep(0.2)
         finally:
             self._stop_all()
-        return 0
+        if self.failed is None:
+            return 0
+        child, code, ran = self.failed
+        # Last, so that it ends serve's output: the others' stopping came before.
+        log.error(
+            "%s exited with status %s %.1fs after its start: a usage or configuration "
+            "error (status %d, or an exit within %.0fs), which a restart would repeat, "
+            "so llmgate serve stops. Its last lines:\n%s",
+            child.name,
+            code,
+            ran,
+            settings.SETTINGS_ERROR_STATUS,
+            EARLY_EXIT_SECONDS,
+            "\n".join(f"    {line}" for line in child.last_lines()) or "    (none)",
+        )
+        return code if code > 0 else 1
 
     def _reap_orphans(self) -> None:
         """Kill the processes an exited child left behind (adopted by us as subreaper)."""
@@ -370,6 +507,16 @@ class Supervisor:
             # with an orphaned old one for memory and cores.
             child.signal_group(signal.SIGKILL)
             ran = now - child.started_at
+            if exited_at_once(code, ran):
+                log.error(
+                    "%s exited with status %s %.1fs after its start: stopping everything",
+                    child.name,
+                    code,
+                    ran,
+                )
+                self.failed = (child, code, ran)
+                self.stopping = True
+                return
             child.backoff = (
                 1.0
                 if ran > HEALTHY_RUN_SECONDS
@@ -413,6 +560,9 @@ class Supervisor:
             kill_and_reap(leftovers, grace=5.0)
         for child in self.children:
             child.remove_rpc_dir()
+            # Their last words (a drained gateway's, say) still come through.
+            if child.relay is not None:
+                child.relay.join(5.0)
         log.info("all processes stopped")
 
 
@@ -426,10 +576,23 @@ def _descendants(proc: psutil.Process) -> list[psutil.Process]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmgate serve",
-        description="Start workers and a gateway and keep them running. "
-        "Unknown flags are passed to every worker (vLLM engine flags).",
+        description="Start workers and a gateway and keep them running; a child that "
+        "exits at once (a bad flag or setting) stops it with the child's message. "
+        "The gateway's settings go to the gateway; unknown flags are passed to every "
+        "worker (vLLM engine flags).",
+        # An abbreviation of one of our flags is an engine flag's whole name
+        # as often as not: whatever is not exactly ours goes to the workers.
+        allow_abbrev=False,
     )
     settings.add_arguments(parser, settings.ServeSettings)
+    settings.add_arguments(
+        parser,
+        settings.GatewaySettings,
+        title=f"GatewaySettings, passed to the gateway (flags or {settings.ENV_PREFIX}* variables)",
+        description=f"{' and '.join('--' + n.replace('_', '-') for n in SHARED_FLAGS)} go to "
+        "the workers too; --workers is not taken: the gateway's workers are those serve starts.",
+        skip=set(settings.GatewaySettings.__struct_fields__) - set(GATEWAY_FLAGS),
+    )
     return parser
 
 
@@ -439,25 +602,36 @@ def main(argv: list[str] | None = None) -> None:
     try:
         setup_logging(serve.log_level, serve.log_format)
     except ValueError as exc:
-        sys.exit(f"llmgate serve: {exc}")
+        settings.refuse(f"llmgate serve: {exc}")
     from gateway.cache import check_settings
 
     problem = check_settings(serve.cache, serve.cache_scope)
     if problem:
-        sys.exit(f"llmgate serve: {problem}")
+        settings.refuse(f"llmgate serve: {problem}")
+    children = plan_children(serve, namespace, engine_args)
+    sys.exit(Supervisor(serve, children).run())
+
+
+def plan_children(
+    serve: settings.ServeSettings, namespace: argparse.Namespace, engine_args: list[str]
+) -> list[Child]:
+    """The workers, then the gateway, from serve's parsed command line: the
+    gateway's settings given (``GATEWAY_FLAGS``) go to the gateway, those a
+    worker has too (``SHARED_FLAGS``) and the engine flags to every worker."""
+    worker_args = [*settings.given_flags(namespace, SHARED_FLAGS), *engine_args]
     if serve.config:
         try:
             config = pools_config.load(serve.config)
         except pools_config.ConfigError as exc:
-            sys.exit(f"llmgate serve: {exc}")
+            settings.refuse(f"llmgate serve: {exc}")
         try:
-            workers = plan_pool_workers(serve, config, engine_args)
+            workers = plan_pool_workers(serve, config, worker_args)
         except ValueError as exc:
-            sys.exit(f"llmgate serve: {serve.config}: {exc}")
+            settings.refuse(f"llmgate serve: {serve.config}: {exc}")
     else:
-        workers = plan_workers(serve, engine_args)
-    children = [*workers, _gateway_child(serve, len(workers))]
-    sys.exit(Supervisor(serve, children).run())
+        workers = plan_workers(serve, worker_args)
+    gateway_flags = settings.given_flags(namespace, GATEWAY_FLAGS)
+    return [*workers, _gateway_child(serve, len(workers), gateway_flags)]
 
 
 if __name__ == "__main__":

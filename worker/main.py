@@ -111,7 +111,7 @@ def _main(argv: list[str] | None) -> None:
     try:
         setup_logging(log_level(namespace), worker_settings.log_format)
     except ValueError as exc:
-        sys.exit(f"llmgate worker: {exc}")
+        settings.refuse(f"llmgate worker: {exc}")
     _check_keys(worker_settings)
     apply_embedded_model_defaults(namespace)
     apply_cpu_defaults(namespace)
@@ -150,7 +150,7 @@ def _check_serve_args(namespace: argparse.Namespace) -> None:
     try:
         validate_parsed_serve_args(serve_namespace(namespace))
     except (TypeError, ValueError) as exc:
-        sys.exit(f"llmgate worker: {exc}")
+        settings.refuse(f"llmgate worker: {exc}")
 
 
 def _check_keys(worker_settings: settings.WorkerSettings) -> None:
@@ -160,7 +160,7 @@ def _check_keys(worker_settings: settings.WorkerSettings) -> None:
     try:
         worker_curve(worker_settings)
     except KeyFileError as exc:
-        sys.exit(f"llmgate worker: {exc}")
+        settings.refuse(f"llmgate worker: {exc}")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
-"""``llmgate serve`` as processes: what runs, crash restart, and a clean stop.
+"""``llmgate serve`` as processes: what runs, the gateway's settings, crash
+restart, a clean stop, and a stop with the message of a child that refuses
+its settings.
 
 Slow: starts its own system (and a second engine after the crash), so it
-does not disturb the session's shared one.
+does not disturb the session's shared one; the refusals start no engine.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,7 +19,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import MODEL, start_serve, stop_serve
+from shared.ports import free_port, free_port_range
+from tests.conftest import MODEL, ROOT, start_serve, stop_serve
 from tests.integration.test_cpu_layout import vllm_binding
 
 pytestmark = pytest.mark.slow
@@ -41,8 +46,11 @@ def complete(base_url: str, timeout: float = 60) -> httpx.Response:
 
 
 def test_crashed_worker_is_restarted_and_stop_leaves_no_process(tmp_path: Path) -> None:
-    served = start_serve(tmp_path / "serve.log")
+    served = start_serve(tmp_path / "serve.log", "--policy", "prefix")
     try:
+        # A gateway setting given to serve is the gateway's, not an engine
+        # flag the worker would refuse (it once was, restarted forever).
+        served.wait_for_log("routing policy: prefix")
         # The CPU default: one worker computing on every core, none held back
         # for vLLM's front end; the launcher logs it and vLLM's engine takes it.
         cores = sorted(os.sched_getaffinity(0))
@@ -55,6 +63,8 @@ def test_crashed_worker_is_restarted_and_stop_leaves_no_process(tmp_path: Path) 
         roles = children_by_role(launcher.pid)
         # One gateway and one worker; the worker runs vLLM's engine core below it.
         assert sorted(roles) == ["gateway", "worker"]
+        assert "--policy=prefix" in roles["gateway"].cmdline()
+        assert not any("policy" in arg for arg in roles["worker"].cmdline())
         assert len(launcher.children()) == 2
         assert roles["worker"].children(recursive=True), "no engine-core process"
         assert complete(served.base_url).status_code == 200
@@ -106,3 +116,56 @@ def test_crashed_worker_is_restarted_and_stop_leaves_no_process(tmp_path: Path) 
             pass
     assert not alive, f"left behind: {[(p.pid, p.name()) for p in alive]}"
     assert not rpc_dir.exists(), list(rpc_dir.iterdir())
+
+
+def serve_until_it_exits(*flags: str, timeout: float = 240) -> tuple[int, str, float]:
+    """Run ``llmgate serve`` with ``flags`` until it exits by itself: its
+    status, its output and how long it ran. Fails after ``timeout``."""
+    port, worker_port = free_port(), free_port_range(1)
+    argv = [
+        *(sys.executable, "-m", "worker.launcher", "--port", str(port)),
+        *("--worker-base-port", str(worker_port), "--enforce-eager", *flags),
+    ]
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        output = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # it stops its children
+        output = proc.communicate(timeout=120)[0]
+        pytest.fail(
+            f"llmgate serve {' '.join(flags)} still ran after {timeout}s:\n{output[-5000:]}"
+        )
+    ran = time.monotonic() - started
+    left = [
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if f"127.0.0.1:{worker_port}" in " ".join(p.info["cmdline"] or [])
+    ]
+    assert not left, f"processes of the stopped serve are left: {left}\n{output[-5000:]}"
+    return proc.returncode, output, ran
+
+
+def test_a_bad_engine_flag_stops_serve_with_the_workers_message() -> None:
+    """The worker exits with argparse's status 2 (after importing vLLM): serve
+    stops the gateway and exits with it, the worker's message last, no restart."""
+    code, output, _ran = serve_until_it_exits("--no-such-flag")
+    assert code == 2, output[-5000:]
+    tail = output.rstrip().splitlines()[-3:]
+    assert "llmgate worker: error: unrecognized arguments: --no-such-flag" in tail[-1], tail
+    assert "worker-0 exited with status 2" in output and "restart 1 in" not in output
+
+
+def test_a_gateway_refusing_its_settings_stops_serve_within_seconds(tmp_path: Path) -> None:
+    """A keys file the gateway cannot read: it refuses at once, and serve stops
+    (the worker still importing vLLM) with its message, instead of restarting it."""
+    missing = tmp_path / "no-such-keys"
+    code, output, ran = serve_until_it_exits("--api-keys-file", str(missing))
+    assert code == 2, output[-5000:]
+    message = f"llmgate gateway: cannot read --api-keys-file {missing}"
+    assert message in output.rstrip().splitlines()[-1], output[-5000:]
+    assert "gateway exited with status 2" in output and "restart 1 in" not in output
+    # Seconds, not a worker's start: the bound leaves room for a loaded machine.
+    assert ran < 60, output[-5000:]

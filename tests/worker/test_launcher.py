@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import queue
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from shared import config
+from shared import config, settings
 from shared.settings import ServeSettings
 from worker import launcher
 
@@ -147,3 +152,168 @@ def test_a_bad_config_is_one_clear_error_and_starts_nothing(tmp_path: Path) -> N
     assert done.returncode != 0
     assert f"{bad}:3: pools[0].workers: Expected int, got str" in done.stderr
     assert "starting" not in done.stderr  # no worker, no gateway
+
+
+def test_gateway_settings_go_to_the_gateway_and_engine_flags_to_the_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``llmgate serve --policy prefix`` once handed ``--policy`` to the worker as an
+    engine flag (which it refused); the gateway's settings are serve's flags now."""
+    from gateway.main import build_parser as gateway_parser
+
+    two_cores_no_gpu(monkeypatch)
+    argv = ["--policy", "prefix", "--drain-timeout", "60", "--protect-metrics", "--dtype", "half"]
+    namespace, engine_args = launcher.build_parser().parse_known_args(argv)
+    worker, gateway = launcher.plan_children(ServeSettings(), namespace, engine_args)
+    # The gateway gets what it was given, in a form its own parser reads back.
+    given = gateway.argv[gateway.argv.index("gateway.main") + 1 :]
+    parsed = gateway_parser().parse_args(given)
+    assert (parsed.policy, parsed.drain_timeout, parsed.protect_metrics) == ("prefix", 60.0, True)
+    assert not hasattr(parsed, "heartbeat_interval")  # not given: its env or default rules
+    # A worker gets the engine flags and the drain setting it has too; no routing policy.
+    assert worker.argv[-3:] == ["--drain-timeout=60.0", "--dtype", "half"]
+    assert not any("policy" in arg for arg in worker.argv)
+    assert launcher.SHARED_FLAGS == ["heartbeat_interval", "drain_timeout"]
+
+
+def test_api_keys_given_to_serve_stay_out_of_its_log() -> None:
+    """The launcher logs each child's command line; the gateway's keys are in it."""
+    namespace, _ = launcher.build_parser().parse_known_args(["--api-keys", "sk-1,sk-2"])
+    (flag,) = settings.given_flags(namespace, launcher.GATEWAY_FLAGS)
+    assert launcher.redacted(["gateway.main", flag, "--port", "1"]) == [
+        "gateway.main",
+        "--api-keys=***",
+        "--port",
+        "1",
+    ]
+    assert launcher.redacted(["--api-keys", "sk-1", "--policy", "prefix"]) == [
+        "--api-keys",
+        "***",
+        "--policy",
+        "prefix",
+    ]
+
+
+def test_only_exact_serve_flags_are_serves() -> None:
+    """An abbreviation goes to the workers verbatim (there it may be a whole engine flag)."""
+    namespace, engine_args = launcher.build_parser().parse_known_args(["--pol", "prefix"])
+    assert engine_args == ["--pol", "prefix"] and not hasattr(namespace, "policy")
+
+
+def test_serve_does_not_take_the_gateways_worker_addresses() -> None:
+    """serve computes them from the workers it starts."""
+    _namespace, engine_args = launcher.build_parser().parse_known_args(["--workers", "tcp://x:1"])
+    assert engine_args == ["--workers", "tcp://x:1"]
+
+
+@pytest.mark.parametrize(
+    ("code", "ran", "ends_serve"),
+    [
+        (2, 0.1, True),  # argparse's usage error, or settings refused
+        (2, 30.0, True),  # a worker parses its flags after importing vLLM: still one
+        (1, 0.5, True),  # any exit before it could serve
+        (0, 0.5, True),
+        (1, launcher.EARLY_EXIT_SECONDS + 0.1, False),  # a crash: restarted with backoff
+        (1, 3600.0, False),
+        (-9, 0.5, False),  # killed by someone: it may well start next time
+    ],
+)
+def test_what_ends_serve_instead_of_a_restart(code: int, ran: float, ends_serve: bool) -> None:
+    assert launcher.exited_at_once(code, ran) is ends_serve
+
+
+# A launcher around small stand-in children (Python one-liners): the
+# Supervisor's own behaviour, in a process of its own (it takes signals and
+# becomes a subreaper).
+SUPERVISE = """\
+import sys
+from shared.settings import ServeSettings
+from worker import launcher
+
+launcher.EARLY_EXIT_SECONDS = float(sys.argv[1])
+children = [
+    launcher.Child(name=f"child-{i}", argv=[sys.executable, "-c", code], env={})
+    for i, code in enumerate(sys.argv[2:])
+]
+sys.exit(launcher.Supervisor(ServeSettings(), children).run())
+"""
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def supervise(early_exit_seconds: float, *children: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", SUPERVISE, str(early_exit_seconds), *children],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen[str], waiting_for: str, timeout: float = 60) -> str:
+    """The supervisor's whole output once it exits; fails after ``timeout``."""
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # it stops its children
+        output = proc.communicate(timeout=60)[0]
+        pytest.fail(f"the supervisor did not exit within {timeout}s ({waiting_for}):\n{output}")
+
+
+@pytest.mark.parametrize(
+    "refusing",
+    [
+        "import sys; print('bad --thing: no such file', file=sys.stderr); sys.exit(2)",
+        # Another status, but at once.
+        "import sys; sys.exit('bad --thing: no such file')",
+    ],
+)
+def test_a_child_that_exits_at_once_stops_everything_with_its_message(
+    refusing: str, tmp_path: Path
+) -> None:
+    marker = f"sleeper-{tmp_path.name}"
+    sleeper = f"import time; time.sleep(300)  # {marker}"
+    proc = supervise(launcher.EARLY_EXIT_SECONDS, sleeper, refusing)
+    output = finish(proc, "the refusing child's exit should end it")
+    assert proc.returncode != 0, output
+    # Its message ends the output, and it was not restarted.
+    assert output.rstrip().endswith("    bad --thing: no such file"), output
+    assert "Its last lines:" in output and "restart 1 in" not in output, output
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.cmdline())]
+    assert not left, f"the other child outlived the launcher:\n{output}"
+
+
+def test_a_child_that_crashes_later_is_restarted() -> None:
+    # It crashes 0.5 s after its start, after the (shortened) early-exit window.
+    proc = supervise(0.1, "import sys, time; time.sleep(0.5); sys.exit(1)")
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        for line in proc.stdout or []:
+            lines.put(line)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    seen: list[str] = []
+    deadline = time.monotonic() + 60
+    try:
+        while not any("restart 2 in" in line for line in seen):
+            try:
+                seen.append(lines.get(timeout=max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                pytest.fail(
+                    "no second restart of a child that crashes 0.5 s after its start "
+                    "within 60 s:\n" + "".join(seen)
+                )
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("the supervisor did not stop within 60 s of SIGTERM:\n" + "".join(seen))
+        reader.join()
+    output = "".join(seen) + "".join(lines.queue)
+    assert proc.returncode == 0, output
+    assert "child-0 exited with 1 after" in output and "restart 1 in 2s" in output, output
+    assert "Its last lines:" not in output, output
