@@ -8,6 +8,7 @@ test asks for it, and stopped at the end of the session.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ import httpx
 import pytest
 
 from shared.ports import free_port, free_port_range
-from tests.stall_watch import StallWatch, report
+from tests.stall_watch import LoopWatch, StallWatch, report, watched_policy
 
 MODEL = "smollm2-135m-instruct"
 STARTUP_TIMEOUT = 300.0
@@ -90,10 +91,11 @@ def start_serve(
 
 # A request that finds its worker marked down (starved of CPU for the
 # gateway's 3 s --heartbeat-timeout on this shared machine) waits up to a
-# minute for it rather than the default 5 s, then a 503: the tests on the
-# session's gateway and the lone ones are about other things. (The 503
-# itself: test_curve.py, test_launcher_processes.py.)
-PATIENCE = {"LLMGATE_STARTUP_TIMEOUT": "60"}
+# minute for it rather than the default 5 s, then a 503, and a request under
+# way on it waits two minutes (--stall-timeout) rather than 30 s: the tests
+# on the session's gateway and the lone ones are about other things. (The
+# 503 itself: test_curve.py, test_launcher_processes.py, tests/faults/.)
+PATIENCE = {"LLMGATE_STARTUP_TIMEOUT": "60", "LLMGATE_STALL_TIMEOUT": "120"}
 
 
 def start_gateway(
@@ -182,6 +184,9 @@ def base_url(served: Served) -> str:
 
 
 _watch = StallWatch()
+# Every event loop the tests run ticks for this watch (tests/stall_watch.py).
+_loops = LoopWatch(_watch)
+asyncio.set_event_loop_policy(watched_policy(_loops))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -193,4 +198,4 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
         # Every system the suite started logs under pytest's base directory.
         base = item.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
         logs = sorted(base.rglob("*.log"))
-        result.sections.append(("machine", report(_watch, call.start, call.stop, logs)))
+        result.sections.append(("machine", report(_watch, call.start, call.stop, logs, _loops)))

@@ -13,24 +13,46 @@ the rest of the machine runs on. A stall of another process (a gateway, a
 worker) shows in what that process logged: the warnings and errors the
 systems under test logged during the test are listed too (a late tick of
 their event loop, a worker lost, a gateway given up on).
+
+A test's own event loop is watched too (:class:`LoopWatch`): every loop the
+suite creates (``asyncio.run``, pytest-asyncio's) ticks once a second, and a
+tick re-arms ``faulthandler``'s timer. A loop that has not ticked for
+``LOOP_STALL`` seconds while it runs gets every thread's stack dumped (by
+faulthandler's own C thread, so a thread holding the GIL cannot stop it),
+with the CPU each process of the system under test used meanwhile, into the
+failed test's report: a test that acts minutes late shows where it was.
 """
 
 from __future__ import annotations
 
+import asyncio
+import faulthandler
+import os
 import re
 import subprocess
+import tempfile
 import threading
 import time
+import weakref
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 INTERVAL = 0.5
 # Seconds later than asked that count as a stall.
 LATE = 2.0
+# Seconds a running event loop of the test may go without a tick before its
+# threads' stacks are dumped.
+LOOP_STALL = 20.0
+# How often the CPU of this process and its descendants is sampled, and how
+# many samples are kept (the CPU used over a stall is read from them).
+CPU_SAMPLE_EVERY = 5.0
+CPU_SAMPLES_KEPT = 120
 
 
 @dataclass(frozen=True)
@@ -55,13 +77,62 @@ def machine_load() -> str:
     return f"load {load}, CPU pressure {pressure}"
 
 
+@dataclass(frozen=True)
+class CpuSample:
+    at: float  # wall clock
+    # pid -> (command line, CPU seconds so far) for this process and its descendants.
+    processes: dict[int, tuple[str, float]]
+    # The machine's CPU seconds by kind (/proc/stat: user, system, idle, iowait, steal).
+    machine: dict[str, float]
+
+
+def cpu_sample() -> CpuSample:
+    processes: dict[int, tuple[str, float]] = {}
+    me = psutil.Process()
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+            command = " ".join(proc.cmdline())[:100] or proc.name()
+            processes[proc.pid] = (command, times.user + times.system)
+        except psutil.Error:
+            pass
+    machine: dict[str, float] = {}
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+        tick = os.sysconf("SC_CLK_TCK")
+        for name, index in (("user", 0), ("system", 2), ("idle", 3), ("iowait", 4), ("steal", 7)):
+            machine[name] = int(fields[index]) / tick
+    except (OSError, IndexError, ValueError):
+        pass
+    return CpuSample(time.time(), processes, machine)
+
+
+def cpu_used(before: CpuSample, after: CpuSample, top: int = 10) -> str:
+    """What each process (and the machine) spent between two samples."""
+    seconds = after.at - before.at
+    used = []
+    for pid, (command, cpu) in after.processes.items():
+        was = before.processes.get(pid, (command, 0.0))[1]
+        used.append((cpu - was, pid, command))
+    used.sort(reverse=True)
+    machine = ", ".join(
+        f"{name} {after.machine[name] - before.machine.get(name, 0.0):.1f}s"
+        for name in after.machine
+    )
+    lines = [f"CPU over {seconds:.0f}s, machine: {machine or '?'}"]
+    lines += [f"{cpu:7.1f}s {pid} {command}" for cpu, pid, command in used[:top]]
+    return "\n    ".join(lines)
+
+
 class StallWatch:
     def __init__(self) -> None:
         self._stalls: list[Stall] = []
+        self.samples: deque[CpuSample] = deque(maxlen=CPU_SAMPLES_KEPT)
         threading.Thread(target=self._run, name="stall-watch", daemon=True).start()
 
     def _run(self) -> None:
         last = time.monotonic()
+        sampled = -CPU_SAMPLE_EVERY
         while True:
             time.sleep(INTERVAL)
             now = time.monotonic()
@@ -69,10 +140,103 @@ class StallWatch:
             last = now
             if late > LATE:
                 self._stalls.append(Stall(time.time(), late, machine_load()))
+            if now - sampled >= CPU_SAMPLE_EVERY:
+                sampled = now
+                self.samples.append(cpu_sample())
+
+    def sample_before(self, at: float) -> CpuSample | None:
+        """The last CPU sample taken at or before wall-clock time ``at``."""
+        earlier = [sample for sample in list(self.samples) if sample.at <= at]
+        return earlier[-1] if earlier else None
 
     def between(self, start: float, stop: float) -> list[Stall]:
         """Stalls that ended between two wall-clock times."""
         return [s for s in self._stalls if start <= s.ended <= stop + INTERVAL + LATE]
+
+
+@dataclass(frozen=True)
+class LoopStall:
+    """A running event loop of the test that did not tick for ``LOOP_STALL`` seconds."""
+
+    noticed: float  # wall clock
+    last_tick: float  # wall clock
+    stacks: str
+    cpu: str
+
+    def __str__(self) -> str:
+        clock = time.strftime("%H:%M:%S", time.gmtime(self.last_tick))
+        return (
+            f"the test's event loop last ticked at {clock} UTC and had not ticked "
+            f"{self.noticed - self.last_tick:.0f}s later; meanwhile:\n    {self.cpu}\n"
+            f"  every thread's stack then:\n{self.stacks}"
+        )
+
+
+class LoopWatch:
+    """Ticks every event loop the suite runs; dumps the stacks when one stops ticking."""
+
+    def __init__(self, watch: StallWatch, after: float = LOOP_STALL) -> None:
+        self.watch = watch
+        self.after = after
+        self.stalls: list[LoopStall] = []
+        self._last_tick = time.time()
+        self._dump = tempfile.TemporaryFile(mode="w+", prefix="loop-stall-")
+        self._read_up_to = 0
+        # Loops with a tick scheduled (a loop run again keeps its one tick).
+        self._ticking: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+        threading.Thread(target=self._collect, name="loop-watch", daemon=True).start()
+
+    def started(self, loop: asyncio.AbstractEventLoop) -> None:
+        # Armed now: the first callback may itself be the one that blocks.
+        self._last_tick = time.time()
+        faulthandler.dump_traceback_later(self.after, file=self._dump)
+        if loop not in self._ticking:
+            self._ticking.add(loop)
+            loop.call_soon(self._tick, loop)
+
+    def stopped(self) -> None:
+        faulthandler.cancel_dump_traceback_later()
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._last_tick = time.time()
+        faulthandler.dump_traceback_later(self.after, file=self._dump)
+        loop.call_later(1.0, self._tick, loop)
+
+    def _collect(self) -> None:
+        """Turns what faulthandler dumped into a stall with the CPU used meanwhile."""
+        while True:
+            time.sleep(1.0)
+            self._dump.flush()
+            size = os.fstat(self._dump.fileno()).st_size
+            if size <= self._read_up_to:
+                continue
+            self._dump.seek(self._read_up_to)
+            stacks = self._dump.read()
+            self._read_up_to = size
+            last_tick = self._last_tick
+            before = self.watch.sample_before(last_tick)
+            cpu = cpu_used(before, cpu_sample()) if before else "no CPU sample before it"
+            self.stalls.append(LoopStall(time.time(), last_tick, stacks, cpu))
+
+    def between(self, start: float, stop: float) -> list[LoopStall]:
+        return [s for s in self.stalls if start <= s.noticed <= stop + 2]
+
+
+def watched_policy(loops: LoopWatch) -> asyncio.AbstractEventLoopPolicy:
+    """An event loop policy whose loops tick for ``loops`` while they run."""
+
+    class WatchedLoop(asyncio.SelectorEventLoop):
+        def run_forever(self) -> None:
+            loops.started(self)
+            try:
+                super().run_forever()
+            finally:
+                loops.stopped()
+
+    class WatchedPolicy(asyncio.DefaultEventLoopPolicy):
+        _loop_factory: Any = WatchedLoop
+
+    return WatchedPolicy()
 
 
 def busiest(sample: float = 0.5, top: int = 8) -> list[str]:
@@ -157,12 +321,27 @@ def warnings_logged(logs: Iterable[Path], start: float, stop: float) -> list[str
     return [line for _, line in found[-LOG_LINES_SHOWN:]]
 
 
-def report(watch: StallWatch, start: float, stop: float, logs: Iterable[Path] = ()) -> str:
+def report(
+    watch: StallWatch,
+    start: float,
+    stop: float,
+    logs: Iterable[Path] = (),
+    loops: LoopWatch | None = None,
+) -> str:
     stalls = watch.between(start, stop)
     lines = [f"now: {machine_load()}"]
     lines.append(
         "stalls of the test process during the test: "
         + ("none" if not stalls else "\n  " + "\n  ".join(map(str, stalls)))
+    )
+    if stalls:
+        before = watch.sample_before(min(s.ended - s.seconds for s in stalls))
+        if before is not None:
+            lines.append("  " + cpu_used(before, cpu_sample()))
+    loop_stalls = loops.between(start, stop) if loops else []
+    lines.append(
+        "stalls of the test's event loop during the test: "
+        + ("none" if not loop_stalls else "\n  " + "\n  ".join(map(str, loop_stalls)))
     )
     kernel = kernel_stalls(start, stop)
     lines.append(

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import time
 from datetime import datetime
 from pathlib import Path
 
-from tests.stall_watch import LATE, StallWatch, report, stall_reports, warnings_logged
+from tests.stall_watch import (
+    LATE,
+    LoopWatch,
+    StallWatch,
+    report,
+    stall_reports,
+    warnings_logged,
+    watched_policy,
+)
 
 
 def test_a_stopped_process_is_reported_as_a_stall() -> None:
@@ -66,3 +75,39 @@ def test_the_warnings_the_systems_logged_during_the_test_are_picked_out(tmp_path
     ], found
     watch = StallWatch()
     assert "worker x lost: silent" in report(watch, now - 5, now + 5, [gateway])
+
+
+def test_an_event_loop_held_past_its_bound_gets_every_threads_stack_dumped() -> None:
+    """A coroutine that blocks its loop (a synchronous sleep here) shows in the
+    report with the stack that held it and the CPU used meanwhile."""
+    watch = StallWatch()
+    loops = LoopWatch(watch, after=2.0)
+    runner = asyncio.Runner(loop_factory=watched_policy(loops).new_event_loop)
+
+    async def blocks_its_loop() -> None:
+        await asyncio.sleep(0.1)
+        time.sleep(4)  # noqa: ASYNC251 - the blocking call the watch must catch
+
+    start = time.time()
+    with runner:
+        runner.run(blocks_its_loop())
+    # The dump is read by the watch's own thread within a second or two of it.
+    deadline = time.monotonic() + 30
+    while not loops.between(start, time.time()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    stalls = loops.between(start, time.time())
+    assert stalls, "no loop stall recorded"
+    assert "blocks_its_loop" in stalls[0].stacks, stalls[0].stacks
+    text = report(watch, start, time.time(), loops=loops)
+    assert "stalls of the test's event loop during the test: \n" in text, text
+    assert "blocks_its_loop" in text
+
+
+def test_a_loop_that_stopped_running_is_not_a_stall() -> None:
+    watch = StallWatch()
+    loops = LoopWatch(watch, after=1.0)
+    start = time.time()
+    with asyncio.Runner(loop_factory=watched_policy(loops).new_event_loop) as runner:
+        runner.run(asyncio.sleep(0.1))
+        time.sleep(3)  # the loop is not running now: its silence is no stall
+    assert loops.between(start, time.time()) == []
