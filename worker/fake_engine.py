@@ -14,9 +14,17 @@ worker's one-frame-per-turn flush batches concurrent requests, as with a
 real engine step); otherwise steps keep that fixed interval. A one-token
 answer goes out as one frame, at once.
 
+It is also the suite's fault-injection double, made controllable
+(``--hold-after N --control ADDR``): each request sends its first ``N``
+tokens, then waits at a gate until the test says ``release`` on the control
+socket (a ZeroMQ PUSH to this PULL). A test that stops a worker, pauses a
+gateway or fills a queue then knows the work is still under way when the
+fault lands: "the engine finished first" cannot happen, however slow the
+machine. ``hold`` closes the gate again for the requests that come after.
+
 It never stands in for vLLM in a feature test: the prompt is not read
 beyond a rough whitespace count for ``usage``, and sampling fields other
-than ``n`` and ``max_tokens`` are ignored.
+than ``n``, ``max_tokens`` and ``logprobs`` are ignored.
 """
 
 from __future__ import annotations
@@ -44,6 +52,47 @@ class FakeParams:
 
     n: int
     max_tokens: int
+    # Each token named in the deltas' logprobs, as a stream checker reads them.
+    logprobs: bool = False
+
+
+class Gate:
+    """Where held requests wait until the test releases them (``--hold-after``)."""
+
+    def __init__(self, after: int) -> None:
+        # Tokens each choice sends before it waits; -1: never held.
+        self.after = after
+        self.open = after < 0
+        self._changed = asyncio.Condition()
+
+    async def wait(self) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.open)
+
+    async def command(self, word: str) -> None:
+        """``release``: every held request (and each later one) runs on; ``hold``: close again."""
+        if word not in ("release", "hold"):
+            log.warning("fake engine: unknown control command %r", word)
+            return
+        async with self._changed:
+            self.open = word == "release"
+            self._changed.notify_all()
+        log.warning("fake engine: %s", word)
+
+    async def listen(self, address: str) -> None:
+        """Take commands from a ZeroMQ PULL socket bound at ``address``."""
+        import zmq
+        import zmq.asyncio
+
+        ctx = zmq.asyncio.Context.instance()
+        sock = ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(address)
+        try:
+            while True:
+                await self.command((await sock.recv()).decode(errors="replace"))
+        finally:
+            sock.close(0)
 
 
 class FakeEngine(Engine):
@@ -56,11 +105,13 @@ class FakeEngine(Engine):
         token_interval: float = 0.0,
         capacity: int = 1024,
         max_model_len: int = 4096,
+        gate: Gate | None = None,
     ) -> None:
         # Engine.__init__ builds an AsyncLLM: deliberately not called.
         self.served_model_names = served_model_names
         self.tokens = tokens
         self.token_interval = token_interval
+        self.gate = gate or Gate(-1)
         self.max_num_seqs = capacity
         self.max_model_len = max_model_len
         self.scheduling_policy = "fcfs"
@@ -73,7 +124,11 @@ class FakeEngine(Engine):
         self, kind: protocol.RequestKind, params: dict[str, Any]
     ) -> list[PreparedPrompt]:
         max_tokens = self.tokens or requested_tokens(params)
-        fake = FakeParams(n=int(params.get("n") or 1), max_tokens=max_tokens)
+        fake = FakeParams(
+            n=int(params.get("n") or 1),
+            max_tokens=max_tokens,
+            logprobs=params.get("logprobs") not in (None, False),
+        )
         return [PreparedPrompt(None, fake, rough_prompt_tokens(kind, params))]
 
     async def run(
@@ -90,17 +145,22 @@ class FakeEngine(Engine):
         self.running += 1
         try:
             for step in range(fake.max_tokens):
-                if step:
+                if step == self.gate.after:
+                    await self.gate.wait()
+                    start = loop.time() - step * self.token_interval
+                elif step:
                     # A schedule, not a sleep per token, so the interval does not drift.
                     delay = start + step * self.token_interval - loop.time()
                     await asyncio.sleep(max(delay, 0.0))
                 last = step == fake.max_tokens - 1
+                named = [protocol.TokenLogprob(TOKEN_TEXT, -1.0, token_id=1)]
                 yield [
                     protocol.Delta(
                         request_id=request_id,
                         index=index,
                         text=TOKEN_TEXT,
                         num_tokens=1,
+                        logprobs=named if fake.logprobs else None,
                         finish_reason="length" if last else None,
                     )
                     for index in range(fake.n)
@@ -151,6 +211,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--capacity", type=int, default=1024, help="requests at once it reports (max_num_seqs)"
     )
+    parser.add_argument(
+        "--hold-after",
+        type=int,
+        default=-1,
+        help="fault tests: each choice sends this many tokens, then waits for 'release' (-1: off)",
+    )
+    parser.add_argument(
+        "--control", default="", help="ZeroMQ address to bind for 'release'/'hold' commands"
+    )
     parser.add_argument("--log-level", default="warning")
     return parser
 
@@ -166,12 +235,22 @@ def main(argv: list[str] | None = None) -> None:
         tokens=namespace.tokens,
         token_interval=namespace.token_interval_ms / 1000,
         capacity=namespace.capacity,
+        gate=Gate(namespace.hold_after),
     )
     log.warning("FAKE engine: answers %r tokens with no model (a benchmark double)", TOKEN_TEXT)
     try:
-        _run(WorkerServer(worker_settings, engine).serve())
+        _run(_serve(WorkerServer(worker_settings, engine), engine.gate, namespace.control))
     except KeyboardInterrupt:
         pass
+
+
+async def _serve(server: Any, gate: Gate, control: str) -> None:
+    listener = asyncio.create_task(gate.listen(control)) if control else None
+    try:
+        await server.serve()
+    finally:
+        if listener is not None:
+            listener.cancel()
 
 
 def _run(coroutine: Any) -> None:

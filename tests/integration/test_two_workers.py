@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import json
 import re
 import signal
@@ -24,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import MODEL, Served, start_gateway, start_serve, stop_serve
 from tests.integration.streams import Stream, read_stream
-from tests.integration.test_pool import STARVED, metric, metric_reaches, value_in
+from tests.integration.test_pool import metric, metric_reaches, value_in
 
 pytestmark = pytest.mark.slow
 
@@ -464,12 +463,6 @@ def hung_processes(two: Served, victim_address: str) -> list[psutil.Process]:
     return [victim, *victim.children(recursive=True)]
 
 
-def stalls(two: Served, address: str, outcome: str) -> float:
-    """The gateway's ``llmgate_worker_stalls_total`` of ``address`` by ``outcome``."""
-    value = metric(two.base_url, "llmgate_worker_stalls_total", worker=address, outcome=outcome)
-    return value or 0.0
-
-
 async def log_says(two: Served, since: int, pattern: str, within: float = 60) -> str:
     """The log written since byte ``since``, once ``pattern`` (a regex) is in it."""
     deadline = time.monotonic() + within
@@ -482,14 +475,14 @@ async def log_says(two: Served, since: int, pattern: str, within: float = 60) ->
         await asyncio.sleep(0.1)
 
 
-def test_a_stalled_worker_keeps_its_streams_and_they_end_whole(two: Served) -> None:
-    """SIGSTOP one worker briefly under load, as a starved front end would stall.
-
-    Past --heartbeat-timeout (3 s) the gateway marks it down and moves its
-    requests that sent nothing to their clients yet; its streams under way
-    wait for it (--stall-timeout, 30 s). Resumed at once, it is healthy again
-    and those streams end whole, every token once, none cut.
-    """
+def test_a_real_worker_stopped_under_load_loses_no_request(two: Served) -> None:
+    """Outcomes only, on the real engine: SIGSTOP one worker (front end and
+    engine) under streaming load until the gateway marks it down, then
+    resume it. Every stream ends whole or, had it waited past
+    --stall-timeout, with an error event saying so; every whole request
+    ends 200 with all its tokens; nothing hangs; the worker rejoins. The
+    exact scenarios (streams that wait, a worker that hangs past the
+    timeout), on held doubles: tests/faults/test_two_workers.py."""
     addresses = two.worker_addresses(2).split(",")
     victim_address = addresses[0]
     wait_healthy(two, victim_address, timeout=240)
@@ -498,9 +491,9 @@ def test_a_stalled_worker_keeps_its_streams_and_they_end_whole(two: Served) -> N
     # (CI of 2026-11-26 06:18, a stream on the healthy worker).
     body = {"model": MODEL, "max_tokens": 48, "ignore_eos": True, "temperature": 0}
     down = rf"worker {re.escape(victim_address)} lost: silent for \d"
-    waiting = rf"worker {re.escape(victim_address)}: (\d+) requests there wait for it"
+    since = two.log_path.stat().st_size
 
-    async def run(since: int) -> tuple[list[Stream], list[httpx.Response], str, float]:
+    async def run() -> tuple[list[Stream], list[httpx.Response]]:
         async with httpx.AsyncClient(
             base_url=two.base_url, timeout=120, limits=httpx.Limits(max_connections=128)
         ) as client:
@@ -510,156 +503,23 @@ def test_a_stalled_worker_keeps_its_streams_and_they_end_whole(two: Served) -> N
             hung = hung_processes(two, victim_address)
             for proc in hung:
                 proc.suspend()
-            stopped_at = time.monotonic()
             try:
-                log = await log_says(two, since, down)
-                # Written right after that line, unless no stream was under
-                # way there (then the test tries again).
-                with contextlib.suppress(AssertionError):
-                    log = await log_says(two, since, waiting, within=5)
+                await log_says(two, since, down)
             finally:
                 for proc in hung:
                     proc.resume()
-                stopped_s = time.monotonic() - stopped_at
             done = await asyncio.gather(*streams), await asyncio.gather(*whole)
-            return list(done[0]), list(done[1]), log, stopped_s
+            return list(done[0]), list(done[1])
 
-    for _ in range(3):
-        since = two.log_path.stat().st_size
-        resumed_before = stalls(two, victim_address, "resumed")
-        streams, whole, log, stopped_s = asyncio.run(run(since))
-        # Stopped well within --stall-timeout (a test process that was itself
-        # starved past it would see the streams cut, rightly: try again), with
-        # streams started there when it was marked down.
-        if re.search(waiting, log) and stopped_s < 20:
-            break
-        print(f"stopped {stopped_s:.1f}s, no stream waited on the victim; again")
-        wait_healthy(two, victim_address, timeout=60)
-    else:
-        raise AssertionError(f"3 stops, none while a stream ran on the victim\n{log}")
-    kept = int(re.search(waiting, log).group(1))  # type: ignore[union-attr]
-    # The streams that waited, and all others, end whole: none cut.
-    assert all(s.whole(48) for s in streams), [
-        (s.mismatched, s.error, len(s.tokens), s.usage_tokens) for s in streams if not s.whole(48)
-    ]
-    assert sum(s.worker == victim_address for s in streams) >= kept, streams
-    assert all(r.status_code == 200 for r in whole), [r.text for r in whole]
-    assert all(r.json()["usage"]["completion_tokens"] == 48 for r in whole)
-    after = two.log_path.read_bytes()[since:].decode(errors="replace")
-    assert f"worker {victim_address} speaks again" in after, after
-    assert "the requests that waited for it end" not in after, after
-    assert "stream cut" not in after, after
-    assert stalls(two, victim_address, "resumed") == resumed_before + 1
-    wait_healthy(two, victim_address, timeout=60)
-    print(
-        "stall report:",
-        json.dumps(
-            {
-                "stopped_s": round(stopped_s, 1),
-                "streams_that_waited": kept,
-                "streams_on_victim": sum(s.worker == victim_address for s in streams),
-                "retried": after.count("retrying on another worker"),
-            }
-        ),
-    )
-
-
-def test_a_hung_worker_is_marked_down_and_rejoins(two: Served) -> None:
-    """SIGSTOP one worker, a stream of its under way: no crash, no dropped
-    connection, just silence, for longer than --stall-timeout.
-
-    Within --heartbeat-timeout (3 s) the gateway marks it down: its requests
-    that sent nothing to their clients yet are retried on the other worker
-    and it is told to abort them; its streams under way wait for it, and
-    past --stall-timeout (30 s) end with an error event, and it is told to
-    abort those too. After SIGCONT it rejoins (same incarnation) and drops
-    what it ran for us.
-    """
-    addresses = two.worker_addresses(2).split(",")
-    victim_address = addresses[0]
-    wait_healthy(two, victim_address, timeout=240)  # after the tests above restarted workers
-    # Greedy: the same tokens every run. Sampled text can hit a rare token
-    # whose text and logprobs name differ, failing the token check by chance
-    # (CI of 2026-11-26 06:18, a stream on the healthy worker).
-    body = {"model": MODEL, "max_tokens": 48, "ignore_eos": True, "temperature": 0}
-
-    async def run() -> tuple[list[Stream], list[httpx.Response], float]:
-        async with httpx.AsyncClient(
-            base_url=two.base_url, timeout=120, limits=httpx.Limits(max_connections=128)
-        ) as client:
-            streams, whole = await load_victim(
-                client, two, victim_address, body, until_streaming=True
-            )
-            hung = hung_processes(two, victim_address)
-            for proc in hung:
-                proc.suspend()
-            stopped_at = time.monotonic()
-            try:
-                await until(client, "llmgate_worker_healthy", victim_address, lambda v: v == 0, two)
-                detected = time.monotonic() - stopped_at
-                done = await asyncio.gather(*streams), await asyncio.gather(*whole)
-            finally:
-                for proc in hung:
-                    proc.resume()
-            return list(done[0]), list(done[1]), detected
-
-    log_start = 0
-
-    def since_stop() -> str:
-        return two.log_path.read_bytes()[log_start:].decode(errors="replace")
-
-    for _ in range(3):
-        log_start = two.log_path.stat().st_size
-        lost_before = stalls(two, victim_address, "lost")
-        streams, whole, detected_s = asyncio.run(run())
-        # A stream from the victim had reached its client just before the
-        # stop; on a slow machine it can end in that moment, and a worker
-        # stopped with nothing of ours has nothing to drop once resumed. The
-        # gateway says how many streams waited for it: then it held some.
-        if "requests there wait for it" in since_stop():
-            break
-        print("every stream on the victim ended before the stop; again")
-        wait_healthy(two, victim_address, timeout=60)
-    else:
-        raise AssertionError(f"3 stops, none while the victim ran a stream\n{two.log_tail()}")
-    # Marked down for its silence (no connection dropped: it was only stopped),
-    # within the heartbeat timeout (3 s) plus a ping period and some slack, as
-    # the gateway measured it (the test's own clock, detected_s, also counts
-    # any stall of the test process). No lower bound: the silence counts from
-    # its last heartbeat, which came up to a heartbeat period (or, on a busy
-    # machine, more) before the stop.
-    lost = re.search(
-        rf"worker {re.escape(victim_address)} lost: silent for ([\d.]+)s", since_stop()
-    )
-    assert lost is not None, two.log_tail()
-    # Unless the machine starved the gateway itself meanwhile (its late-tick
-    # line says so): it judges the silence on its next tick, later.
-    assert float(lost.group(1)) < 10 or STARVED.search(since_stop()), lost.group(0)
-    assert all(r.status_code == 200 for r in whole), [r.text for r in whole]
-    assert all(r.json()["usage"]["completion_tokens"] == 48 for r in whole)
-    # The streams under way there waited for it past --stall-timeout, then
-    # ended with an error event; every other stream ended whole.
-    cut = [s for s in streams if s.error is not None]
-    assert cut, streams
+    streams, whole = asyncio.run(run())
     assert all(s.done for s in streams), streams
-    assert all(s.worker == victim_address and s.tokens for s in cut), cut
-    assert all("silent for" in (s.error or "") for s in cut), cut
-    assert all(s.whole(48) for s in streams if s.error is None), [
-        (s.mismatched, len(s.tokens), s.usage_tokens, s.done)
+    assert all(
+        s.whole(48) or ("silent for" in (s.error or "") and s.worker == victim_address)
         for s in streams
-        if s.error is None and not s.whole(48)
-    ]
-    assert "the requests that waited for it end (silent for" in since_stop(), since_stop()
-    assert stalls(two, victim_address, "lost") == lost_before + 1
-
-    # Resumed, it reads the gateway's abort and drops the requests it held for it...
-    waited = time.monotonic()
-    # (Not for "its gateway went silent": the worker knows it was the one paused.)
-    while "aborting the request: its gateway asked" not in since_stop():
-        assert time.monotonic() - waited < 60, two.log_tail()
-        time.sleep(0.2)
-    # ...and rejoins, taking traffic again.
-    rejoin_s = wait_healthy(two, victim_address, timeout=60)
+    ), [(s.mismatched, s.error, len(s.tokens), s.usage_tokens) for s in streams]
+    assert all(r.status_code == 200 for r in whole), [r.text for r in whole]
+    assert all(r.json()["usage"]["completion_tokens"] == 48 for r in whole)
+    wait_healthy(two, victim_address, timeout=60)
     again = asyncio.run(
         post_many(
             two.base_url,
@@ -667,16 +527,3 @@ def test_a_hung_worker_is_marked_down_and_rejoins(two: Served) -> None:
         )
     )
     assert victim_address in served_by(again)
-    log = since_stop()
-    print(
-        "hang report:",
-        json.dumps(
-            {
-                "detected_s": round(detected_s, 2),
-                "rejoined_s_after_resume": round(rejoin_s, 2),
-                "streams_cut": len(cut),
-                "streams_whole": sum(s.error is None for s in streams),
-                "aborted_on_resume": log.count("aborting the request: its gateway asked"),
-            }
-        ),
-    )
