@@ -23,14 +23,16 @@ test-fast: install
 	@scripts/debian-package.sh wrk
 	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
 
+# The layers (pyproject's [tool.importlinter]) are checked with import-linter.
 lint: install
-	$(PY) -m ruff format --check gateway worker shared tests loadtest deploy
-	$(PY) -m ruff check gateway worker shared tests loadtest deploy
+	$(PY) -m ruff format --check gateway worker shared serve tests loadtest deploy
+	$(PY) -m ruff check gateway worker shared serve tests loadtest deploy
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 
 format: install
-	$(PY) -m ruff format gateway worker shared tests loadtest deploy
-	$(PY) -m ruff check --fix gateway worker shared tests loadtest deploy
+	$(PY) -m ruff format gateway worker shared serve tests loadtest deploy
+	$(PY) -m ruff check --fix gateway worker shared serve tests loadtest deploy
 
 # llmgate against vLLM, vllm-router, the FastAPI batching baseline and vLLM in-process.
 bench: install

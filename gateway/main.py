@@ -56,11 +56,12 @@ def main(argv: list[str] | None = None) -> None:
     log.info("routing policy: %s", gateway.policy)
     _check_keys(gateway)
     config = _check_config(gateway)
-    from gateway.cache import check_settings, merge_config
+    from gateway.cache import merge_config
+    from shared.cache_settings import check_cache_settings
 
     # The file's `cache:` is checked with the file; flags and env win over it.
     cached = merge_config(gateway, config)
-    problem = check_settings(cached.cache, cached.cache_scope)
+    problem = check_cache_settings(cached.cache, cached.cache_scope)
     if problem:
         settings.refuse(f"llmgate gateway: {problem}")
     # The app factory reads its settings from the environment, in this

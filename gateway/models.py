@@ -274,9 +274,7 @@ def load_token_counter(tokenizer: str) -> Any:
 
 
 def _embedded_tokenizer() -> Path | None:
-    try:
-        from worker.embedded_model import default_model_dir
-    except ImportError:
-        return None
+    from shared.embedded import default_model_dir
+
     directory = default_model_dir()
     return directory if directory.is_dir() else None

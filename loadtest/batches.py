@@ -264,7 +264,7 @@ def _count(results: list[str]) -> dict[str, int]:
 def run(run_dir: Path, args: Any) -> dict[str, Any]:
     port, base = free_port(), free_port_range(1)
     argv = [
-        *(sys.executable, "-m", "worker.launcher", "--port", str(port)),
+        *(sys.executable, "-m", "serve", "--port", str(port)),
         *("--worker-base-port", str(base), "--enforce-eager", "--cache", "memory"),
         *("--state-dir", str(run_dir / "state")),
     ]

@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     args.targets = ",".join(chosen)
-    from worker.launcher import count_gpus
+    from serve.plan import count_gpus
 
     # On a GPU host "-1" targets get one GPU and "-2" targets two (loadtest/gpu_bench.sh).
     args.gpus = count_gpus()

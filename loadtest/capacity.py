@@ -99,7 +99,7 @@ def server_pid_of(url: str) -> int | None:
     port = url.rstrip("/").rsplit(":", 1)[-1]
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = proc.info["cmdline"] or []
-        if "worker.launcher" in cmdline or any(a.endswith("llmgate") for a in cmdline[:2]):
+        if "serve" in cmdline or any(a.endswith("llmgate") for a in cmdline[:2]):
             if "--port" in cmdline and cmdline[cmdline.index("--port") + 1] == port:
                 return int(proc.pid)
     return None

@@ -25,7 +25,7 @@ KINDS = (
     ("vLLM engine", ("EngineCore", "VLLM::Worker")),
     ("llmgate worker", ("worker.main", "worker.fake_engine")),
     ("llmgate gateway", ("gateway.main",)),
-    ("llmgate launcher", ("worker.launcher", "llmgate serve")),
+    ("llmgate launcher", ("-m serve", "llmgate serve")),
     ("vLLM API server", ("vllm.entrypoints", "APIServer")),
     ("vllm-router", ("vllm-router", "vllm_router")),
     ("fastapi baseline", ("fastapi_batching",)),

@@ -26,7 +26,7 @@ first ``--warmup`` seconds of each are not counted. Throughput is the number
 of requests that completed inside the measured window divided by its length.
 
 Target: ``--url`` for a running server; by default ``python -m
-worker.launcher`` (``llmgate serve``: one worker, the embedded model, compiled
+serve`` (``llmgate serve``: one worker, the embedded model, compiled
 unless ``--enforce-eager``) is started on free ports and stopped afterwards,
 also on Ctrl-C or an error. ``--web`` opens Locust's web UI instead of the
 headless runs.

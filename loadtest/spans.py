@@ -84,8 +84,8 @@ def measure_grammar(size: int, repeats: int) -> dict[str, Any]:
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
+    from shared.embedded import default_model_dir
     from worker import spans
-    from worker.embedded_model import default_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
     info = xgr.TokenizerInfo.from_huggingface(tokenizer)
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     grammar = [measure_grammar(size, args.repeats) for size in args.sizes]
     port, base = free_port(), free_port_range(1)
     argv_serve = [
-        *(sys.executable, "-m", "worker.launcher", "--port", str(port)),
+        *(sys.executable, "-m", "serve", "--port", str(port)),
         *("--worker-base-port", str(base), "--enforce-eager"),
     ]
     url = f"http://127.0.0.1:{port}"

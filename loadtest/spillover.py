@@ -84,7 +84,7 @@ def measure(
 ) -> dict[str, Any]:
     port, base = free_port(), free_port_range(2)
     argv = [
-        *(sys.executable, "-m", "worker.launcher", "--config", str(config_path)),
+        *(sys.executable, "-m", "serve", "--config", str(config_path)),
         *("--port", str(port), "--worker-base-port", str(base), "--enforce-eager"),
     ]
     url = f"http://127.0.0.1:{port}"

@@ -2,7 +2,7 @@
 
 Every target serves the embedded SmolLM2-135M-Instruct from the same
 converted directory, in float32, with the same engine flags. Cores are split
-as ``llmgate serve`` splits them (``worker.launcher.cpu_slices``): one engine
+as ``llmgate serve`` splits them (``serve.plan.cpu_slices``): one engine
 alone binds its compute threads to every core; two engines each get their
 own slice; none holds a core back for a front end (but ``vllm-direct-default``).
 
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loadtest.procs import await_ready, healthy_workers, launched
+from serve.plan import cpu_slices
+from shared.embedded import SERVED_MODEL_NAME, default_model_dir
 from shared.ports import free_port, free_port_range
-from worker.embedded_model import SERVED_MODEL_NAME, default_model_dir
-from worker.launcher import cpu_slices
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = SERVED_MODEL_NAME
@@ -107,7 +107,7 @@ def parse_targets(text: str) -> list[str]:
 def engine_env(cpu_slice: str | None = None, vllm_default: bool = False) -> dict[str, str]:
     """The environment of a vLLM engine: small KV cache; pinned when given a
     core slice; no core held back for the front end, as ``llmgate serve``
-    gives its workers (``worker.launcher``), unless ``vllm_default``: then
+    gives its workers (``serve.plan``), unless ``vllm_default``: then
     what vLLM does by itself (one core reserved), as ``vllm serve`` would run."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
@@ -143,7 +143,7 @@ def llmgate_argv(port: int, worker_base_port: int, workers: int, engine: Engine)
     model = ["--dtype", engine.dtype]
     if engine.model_dir:
         model += ["--model", engine.model_dir, "--served-model-name", MODEL]
-    return [sys.executable, "-m", "worker.launcher", *flags.split(), *model, *engine.flags]
+    return [sys.executable, "-m", "serve", *flags.split(), *model, *engine.flags]
 
 
 def router_argv(port: int, worker_urls: list[str]) -> list[str]:

@@ -10,7 +10,7 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "serve": ("worker.launcher", "start workers and a gateway, and supervise them"),
+    "serve": ("serve.main", "start workers and a gateway, and supervise them"),
     "worker": ("worker.main", "run one worker (vLLM engine behind ZeroMQ)"),
     "gateway": ("gateway.main", "run one gateway (OpenAI HTTP API)"),
     "convert-model": ("worker.embedded_model", "convert the embedded model (done on demand)"),

@@ -45,6 +45,8 @@ from typing import Any
 import msgspec
 import yaml
 
+from shared.cache_settings import check_cache_settings
+
 # Names clients use and metrics carry: no spaces, nothing odd.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 # CPU cores ("0", "0-3", "0,2,4") or GPU ids ("0", "0,1").
@@ -297,13 +299,11 @@ def _check(config: Config, source: str, lines: dict[tuple[str | int, ...], int])
 
 
 def _check_cache(cache: Cache, fail: Callable[[tuple[str | int, ...], str], None]) -> None:
-    from gateway.cache import check_settings
-
-    # check_settings speaks of flags ("--cache must be ..."): keep what follows.
-    problem = check_settings(cache.url, "deterministic")
+    # check_cache_settings speaks of flags ("--cache must be ..."): keep what follows.
+    problem = check_cache_settings(cache.url, "deterministic")
     if problem:
         fail(("cache", "url"), problem.split(" ", 1)[1])
-    problem = check_settings("", cache.scope) if cache.scope is not None else None
+    problem = check_cache_settings("", cache.scope) if cache.scope is not None else None
     if problem:
         fail(("cache", "scope"), problem.split(" ", 1)[1])
     if cache.ttl is not None and not cache.ttl > 0:

@@ -3,7 +3,8 @@
 Each field becomes a flag ``--field-name`` and an environment variable
 ``LLMGATE_FIELD_NAME``; precedence is flag, then environment, then the
 default. The help text lives next to the field (``Annotated`` meta), and the
-README's settings table is written from the same source.
+settings tables of the documentation (``docs/settings.md``) are written from
+the same source: ``python -m shared.settings --update docs/settings.md``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ ENV_PREFIX = "LLMGATE_"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 # The exit status of a process that refuses its settings: argparse's for a
 # usage error, so that ``llmgate serve`` tells a refusal from a crash and
-# stops instead of restarting the process (worker/launcher.py).
+# stops instead of restarting the process (serve/supervisor.py).
 SETTINGS_ERROR_STATUS = 2
 
 
@@ -430,7 +431,7 @@ def from_namespace(cls: type[S], namespace: argparse.Namespace) -> S:
 
 
 def markdown_table(cls: type[msgspec.Struct]) -> str:
-    """The README's table of ``cls``'s settings."""
+    """The documentation's table of ``cls``'s settings (Markdown)."""
     rows = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
     for name, _kind, default, help_text in fields(cls):
         shown = f"`{default}`" if default != "" else "(see meaning)"
@@ -438,8 +439,8 @@ def markdown_table(cls: type[msgspec.Struct]) -> str:
     return "\n".join(rows)
 
 
-def update_readme(path: str) -> None:
-    """Rewrite the settings tables between the README's ``<!-- settings:Cls -->`` markers."""
+def update_tables(path: str) -> None:
+    """Rewrite the settings tables between ``<!-- settings:Cls -->`` markers in ``path``."""
     with open(path) as file:
         text = file.read()
     for settings_cls in (ServeSettings, GatewaySettings, WorkerSettings):
@@ -454,7 +455,7 @@ def update_readme(path: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--update"]:
-        update_readme(sys.argv[2] if len(sys.argv) > 2 else "README.md")
+        update_tables(sys.argv[2] if len(sys.argv) > 2 else "docs/settings.md")
     else:
         for settings_cls in (ServeSettings, GatewaySettings, WorkerSettings):
             print(f"{settings_cls.__name__}\n\n{markdown_table(settings_cls)}\n")

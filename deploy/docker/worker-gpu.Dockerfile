@@ -18,6 +18,7 @@ COPY pyproject.toml README.md /src/
 COPY shared /src/shared
 COPY gateway /src/gateway
 COPY worker /src/worker
+COPY serve /src/serve
 RUN pip wheel --no-deps --wheel-dir /wheels /src
 
 # -- base: vLLM's CUDA image plus llmgate --------------------------------------

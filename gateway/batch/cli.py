@@ -133,7 +133,7 @@ def serve_and_run(args: argparse.Namespace, serve_args: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="llmgate-batch-") as state:
         log_path = Path(state) / "serve.log"
         argv = [
-            *(sys.executable, "-m", "worker.launcher", "--port", str(port)),
+            *(sys.executable, "-m", "serve", "--port", str(port)),
             # Room for as many workers as --num-workers may ask on one machine.
             *("--worker-base-port", str(free_port_range(16)), "--state-dir", state),
             *serve_args,

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, cast
 import msgspec
 
 from gateway.cache.cache import Entry, ResponseCache, Store
-from gateway.cache.keys import SCOPES, Controls, Scope, controls, in_scope, key_for
+from gateway.cache.keys import Controls, Scope, controls, in_scope, key_for
 from gateway.cache.memory import MemoryStore
+from shared.cache_settings import SCOPES
 
 if TYPE_CHECKING:
     from shared.config import Config
@@ -28,22 +29,12 @@ __all__ = [
     "Controls",
     "Entry",
     "ResponseCache",
-    "check_settings",
     "controls",
     "in_scope",
     "key_for",
     "merge_config",
     "open_cache",
 ]
-
-
-def check_settings(url: str, scope: str) -> str | None:
-    """What is wrong with ``--cache``/``--cache-scope``, or None."""
-    if url and url != "memory" and not url.startswith(("redis://", "rediss://", "unix://")):
-        return f"--cache must be empty, `memory` or a redis:// URL, not {url!r}"
-    if scope not in SCOPES:
-        return f"--cache-scope must be one of {', '.join(SCOPES)}, not {scope!r}"
-    return None
 
 
 def merge_config(settings: GatewaySettings, config: Config | None) -> GatewaySettings:

@@ -27,7 +27,6 @@ from typing import Any, Literal
 import msgspec
 
 NOT_IN_KEY = frozenset({"model", "stream", "stream_options", "user"})
-SCOPES = ("deterministic", "greedy", "all")
 Scope = Literal["deterministic", "greedy", "all"]
 # Bumped when the key's recipe or the entry's format changes.
 FORMAT = 1

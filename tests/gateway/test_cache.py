@@ -11,7 +11,6 @@ from gateway import metrics
 from gateway.cache import (
     Entry,
     ResponseCache,
-    check_settings,
     controls,
     in_scope,
     key_for,
@@ -20,6 +19,7 @@ from gateway.cache import (
 from gateway.cache import cache as cache_module
 from gateway.cache.memory import MemoryStore
 from shared import protocol
+from shared.cache_settings import check_cache_settings
 
 BODY = {"model": "m", "prompt": "Hello", "temperature": 0, "max_tokens": 8}
 
@@ -88,11 +88,11 @@ def test_cache_control(header: str | None, read: bool, write: bool) -> None:
 
 
 def test_settings_are_checked() -> None:
-    assert check_settings("", "deterministic") is None
-    assert check_settings("memory", "all") is None
-    assert check_settings("redis://localhost:6379/0", "greedy") is None
-    assert "--cache" in (check_settings("memcached://x", "deterministic") or "")
-    assert "--cache-scope" in (check_settings("memory", "sometimes") or "")
+    assert check_cache_settings("", "deterministic") is None
+    assert check_cache_settings("memory", "all") is None
+    assert check_cache_settings("redis://localhost:6379/0", "greedy") is None
+    assert "--cache" in (check_cache_settings("memcached://x", "deterministic") or "")
+    assert "--cache-scope" in (check_cache_settings("memory", "sometimes") or "")
 
 
 class Clock:

@@ -123,7 +123,7 @@ def serve_until_it_exits(*flags: str, timeout: float = 240) -> tuple[int, str, f
     status, its output and how long it ran. Fails after ``timeout``."""
     port, worker_port = free_port(), free_port_range(1)
     argv = [
-        *(sys.executable, "-m", "worker.launcher", "--port", str(port)),
+        *(sys.executable, "-m", "serve", "--port", str(port)),
         *("--worker-base-port", str(worker_port), "--enforce-eager", *flags),
     ]
     started = time.monotonic()

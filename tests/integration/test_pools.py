@@ -18,11 +18,11 @@ import httpx
 import openai
 import pytest
 
+from shared.embedded import default_model_dir
 from shared.ports import free_port
 from tests.conftest import MODEL, ROOT, Served, start_gateway, start_serve, stop_serve
 from tests.integration.lora import write_zero_lora
 from tests.integration.test_pool import metric
-from worker.embedded_model import default_model_dir
 
 pytestmark = pytest.mark.slow
 

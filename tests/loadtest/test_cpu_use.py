@@ -17,7 +17,7 @@ from loadtest.cpu_use import Snapshot
         ("VLLM::Worker ", "vLLM engine"),
         ("python /x/.venv/bin/python -m worker.main --bind tcp://127.0.0.1:5", "llmgate worker"),
         ("python python -m gateway.main --workers tcp://a", "llmgate gateway"),
-        ("python python -m worker.launcher --port 8000", "llmgate launcher"),
+        ("python python -m serve --port 8000", "llmgate launcher"),
         ("python python -m vllm.entrypoints.openai.api_server --model m", "vLLM API server"),
         ("vllm-router vllm-router --port 1", "vllm-router"),
         ("python python -m loadtest.baselines.fastapi_batching", "fastapi baseline"),

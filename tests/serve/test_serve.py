@@ -1,4 +1,5 @@
-"""The launcher's plan: how many workers, on which devices and cores."""
+"""``llmgate serve``: its plan (how many workers, on which devices and cores,
+with which flags) and its supervisor."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from serve import children, plan, supervisor
+from serve import main as serve_main
 from shared import config, settings
 from shared.settings import ServeSettings
-from worker import launcher
 
 
 def two_cores_no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -23,22 +25,22 @@ def two_cores_no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
-    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda _pid: {0, 1})
+    monkeypatch.setattr(plan.os, "sched_getaffinity", lambda _pid: {0, 1})
 
 
 def test_cpu_cores_are_split_evenly() -> None:
-    assert launcher.cpu_slices(2, [0, 1, 2, 3]) == ["0,1", "2,3"]
-    assert launcher.cpu_slices(3, [0, 1, 2, 3, 4, 5, 6]) == ["0,1", "2,3", "4,5"]
+    assert plan.cpu_slices(2, [0, 1, 2, 3]) == ["0,1", "2,3"]
+    assert plan.cpu_slices(3, [0, 1, 2, 3, 4, 5, 6]) == ["0,1", "2,3", "4,5"]
 
 
 def test_more_workers_than_cores_is_refused() -> None:
     with pytest.raises(ValueError, match="cores"):
-        launcher.cpu_slices(3, [0, 1])
+        plan.cpu_slices(3, [0, 1])
 
 
 def test_one_worker_per_visible_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
-    children = launcher.plan_workers(ServeSettings(), ["--model", "x"])
+    children = plan.plan_workers(ServeSettings(), ["--model", "x"])
     assert [c.env["CUDA_VISIBLE_DEVICES"] for c in children] == ["0", "1", "2"]
     assert all(c.argv[-2:] == ["--model", "x"] for c in children)
     binds = [c.argv[c.argv.index("--bind") + 1] for c in children]
@@ -47,8 +49,8 @@ def test_one_worker_per_visible_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_cpu_workers_are_pinned_to_their_own_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
-    children = launcher.plan_workers(ServeSettings(num_workers=2), [])
+    monkeypatch.setattr(plan.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
+    children = plan.plan_workers(ServeSettings(num_workers=2), [])
     assert [c.env["VLLM_CPU_OMP_THREADS_BIND"] for c in children] == ["0,1", "2,3"]
 
 
@@ -57,7 +59,7 @@ def test_a_single_cpu_worker_computes_on_every_core(
 ) -> None:
     two_cores_no_gpu(monkeypatch)
     with caplog.at_level("INFO", logger="llmgate.launcher"):
-        (child,) = launcher.plan_workers(ServeSettings(), [])
+        (child,) = plan.plan_workers(ServeSettings(), [])
     # vLLM binds its threads itself, with no core held back for its front end.
     assert "VLLM_CPU_OMP_THREADS_BIND" not in child.env
     assert child.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
@@ -70,19 +72,19 @@ def test_a_single_cpu_worker_computes_on_every_core(
 def test_the_environment_wins_over_the_cpu_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-    (child,) = launcher.plan_workers(ServeSettings(), [])
+    (child,) = plan.plan_workers(ServeSettings(), [])
     assert child.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
 
 
 def test_gpu_device_without_gpus_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     with pytest.raises(SystemExit, match="GPU"):
-        launcher.plan_workers(ServeSettings(device="gpu"), [])
+        plan.plan_workers(ServeSettings(device="gpu"), [])
 
 
 def test_worker_metrics_ports_follow_the_base(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    children = launcher.plan_workers(ServeSettings(worker_metrics_port=8100), [])
+    children = plan.plan_workers(ServeSettings(worker_metrics_port=8100), [])
     ports = [c.argv[c.argv.index("--metrics-port") + 1] for c in children]
     assert ports == ["8100", "8101"]
 
@@ -96,8 +98,8 @@ pools:
 
 def test_pools_get_their_models_flags_and_names(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda _pid: {0, 1, 2})
-    children = launcher.plan_pool_workers(ServeSettings(), config.parse(POOLS), ["--enforce-eager"])
+    monkeypatch.setattr(plan.os, "sched_getaffinity", lambda _pid: {0, 1, 2})
+    children = plan.plan_pool_workers(ServeSettings(), config.parse(POOLS), ["--enforce-eager"])
     assert [c.name for c in children] == ["small-worker-0", "big-worker-1", "big-worker-2"]
     small, big, _ = children
     # The command line's flags first, the pool's after (so the pool's win).
@@ -122,7 +124,7 @@ def test_a_lone_unpinned_pool_worker_computes_on_every_core(
     """The pools' planner gives a CPU worker the same default as ``plan_workers``."""
     two_cores_no_gpu(monkeypatch)
     with caplog.at_level("INFO", logger="llmgate.launcher"):
-        (child,) = launcher.plan_pool_workers(
+        (child,) = plan.plan_pool_workers(
             ServeSettings(), config.parse("pools:\n  - {name: only}\n"), []
         )
     assert "VLLM_CPU_OMP_THREADS_BIND" not in child.env
@@ -135,7 +137,7 @@ def test_a_lone_unpinned_pool_worker_computes_on_every_core(
 
 def test_pool_devices_are_gpu_ids_on_a_gpu_box(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
-    children = launcher.plan_pool_workers(ServeSettings(), config.parse(POOLS), [])
+    children = plan.plan_pool_workers(ServeSettings(), config.parse(POOLS), [])
     assert [c.env["CUDA_VISIBLE_DEVICES"] for c in children] == ["0", "1", "2"]
 
 
@@ -143,7 +145,7 @@ def test_a_bad_config_is_one_clear_error_and_starts_nothing(tmp_path: Path) -> N
     bad = tmp_path / "pools.yaml"
     bad.write_text("pools:\n  - name: small\n    workers: two\n")
     done = subprocess.run(
-        [sys.executable, "-m", "worker.launcher", "--config", str(bad)],
+        [sys.executable, "-m", "serve", "--config", str(bad)],
         cwd=Path(__file__).resolve().parents[2],
         capture_output=True,
         text=True,
@@ -163,8 +165,8 @@ def test_gateway_settings_go_to_the_gateway_and_engine_flags_to_the_workers(
 
     two_cores_no_gpu(monkeypatch)
     argv = ["--policy", "prefix", "--drain-timeout", "60", "--protect-metrics", "--dtype", "half"]
-    namespace, engine_args = launcher.build_parser().parse_known_args(argv)
-    worker, gateway = launcher.plan_children(ServeSettings(), namespace, engine_args)
+    namespace, engine_args = serve_main.build_parser().parse_known_args(argv)
+    worker, gateway = plan.plan_children(ServeSettings(), namespace, engine_args)
     # The gateway gets what it was given, in a form its own parser reads back.
     given = gateway.argv[gateway.argv.index("gateway.main") + 1 :]
     parsed = gateway_parser().parse_args(given)
@@ -173,20 +175,20 @@ def test_gateway_settings_go_to_the_gateway_and_engine_flags_to_the_workers(
     # A worker gets the engine flags and the drain setting it has too; no routing policy.
     assert worker.argv[-3:] == ["--drain-timeout=60.0", "--dtype", "half"]
     assert not any("policy" in arg for arg in worker.argv)
-    assert launcher.SHARED_FLAGS == ["heartbeat_interval", "drain_timeout"]
+    assert plan.SHARED_FLAGS == ["heartbeat_interval", "drain_timeout"]
 
 
 def test_api_keys_given_to_serve_stay_out_of_its_log() -> None:
     """The launcher logs each child's command line; the gateway's keys are in it."""
-    namespace, _ = launcher.build_parser().parse_known_args(["--api-keys", "sk-1,sk-2"])
-    (flag,) = settings.given_flags(namespace, launcher.GATEWAY_FLAGS)
-    assert launcher.redacted(["gateway.main", flag, "--port", "1"]) == [
+    namespace, _ = serve_main.build_parser().parse_known_args(["--api-keys", "sk-1,sk-2"])
+    (flag,) = settings.given_flags(namespace, plan.GATEWAY_FLAGS)
+    assert children.redacted(["gateway.main", flag, "--port", "1"]) == [
         "gateway.main",
         "--api-keys=***",
         "--port",
         "1",
     ]
-    assert launcher.redacted(["--api-keys", "sk-1", "--policy", "prefix"]) == [
+    assert children.redacted(["--api-keys", "sk-1", "--policy", "prefix"]) == [
         "--api-keys",
         "***",
         "--policy",
@@ -196,13 +198,13 @@ def test_api_keys_given_to_serve_stay_out_of_its_log() -> None:
 
 def test_only_exact_serve_flags_are_serves() -> None:
     """An abbreviation goes to the workers verbatim (there it may be a whole engine flag)."""
-    namespace, engine_args = launcher.build_parser().parse_known_args(["--pol", "prefix"])
+    namespace, engine_args = serve_main.build_parser().parse_known_args(["--pol", "prefix"])
     assert engine_args == ["--pol", "prefix"] and not hasattr(namespace, "policy")
 
 
 def test_serve_does_not_take_the_gateways_worker_addresses() -> None:
     """serve computes them from the workers it starts."""
-    _namespace, engine_args = launcher.build_parser().parse_known_args(["--workers", "tcp://x:1"])
+    _namespace, engine_args = serve_main.build_parser().parse_known_args(["--workers", "tcp://x:1"])
     assert engine_args == ["--workers", "tcp://x:1"]
 
 
@@ -213,13 +215,13 @@ def test_serve_does_not_take_the_gateways_worker_addresses() -> None:
         (2, 30.0, True),  # a worker parses its flags after importing vLLM: still one
         (1, 0.5, True),  # any exit before it could serve
         (0, 0.5, True),
-        (1, launcher.EARLY_EXIT_SECONDS + 0.1, False),  # a crash: restarted with backoff
+        (1, supervisor.EARLY_EXIT_SECONDS + 0.1, False),  # a crash: restarted with backoff
         (1, 3600.0, False),
         (-9, 0.5, False),  # killed by someone: it may well start next time
     ],
 )
 def test_what_ends_serve_instead_of_a_restart(code: int, ran: float, ends_serve: bool) -> None:
-    assert launcher.exited_at_once(code, ran) is ends_serve
+    assert supervisor.exited_at_once(code, ran) is ends_serve
 
 
 # A launcher around small stand-in children (Python one-liners): the
@@ -228,14 +230,14 @@ def test_what_ends_serve_instead_of_a_restart(code: int, ran: float, ends_serve:
 SUPERVISE = """\
 import sys
 from shared.settings import ServeSettings
-from worker import launcher
+from serve import children, supervisor
 
-launcher.EARLY_EXIT_SECONDS = float(sys.argv[1])
-children = [
-    launcher.Child(name=f"child-{i}", argv=[sys.executable, "-c", code], env={})
+supervisor.EARLY_EXIT_SECONDS = float(sys.argv[1])
+started = [
+    children.Child(name=f"child-{i}", argv=[sys.executable, "-c", code], env={})
     for i, code in enumerate(sys.argv[2:])
 ]
-sys.exit(launcher.Supervisor(ServeSettings(), children).run())
+sys.exit(supervisor.Supervisor(ServeSettings(), started).run())
 """
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -273,7 +275,7 @@ def test_a_child_that_exits_at_once_stops_everything_with_its_message(
 ) -> None:
     marker = f"sleeper-{tmp_path.name}"
     sleeper = f"import time; time.sleep(300)  # {marker}"
-    proc = supervise(launcher.EARLY_EXIT_SECONDS, sleeper, refusing)
+    proc = supervise(supervisor.EARLY_EXIT_SECONDS, sleeper, refusing)
     output = finish(proc, "the refusing child's exit should end it")
     assert proc.returncode != 0, output
     # Its message ends the output, and it was not restarted.

@@ -1,0 +1,5 @@
+"""``python -m serve``: ``llmgate serve``."""
+
+from serve.main import main
+
+main()

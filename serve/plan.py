@@ -1,0 +1,269 @@
+"""What ``llmgate serve`` starts: one worker per GPU (or N CPU workers), then a gateway.
+
+* GPUs: one worker per visible GPU, each with its own ``CUDA_VISIBLE_DEVICES``.
+* No GPU: ``--num-workers`` CPU workers (1 by default: measured best on 2
+  cores). With one, vLLM binds its threads to every usable core; with
+  several, the cores are split evenly and each worker is pinned to its own
+  slice (``VLLM_CPU_OMP_THREADS_BIND``). Either way no core is held back for
+  vLLM's front end (``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` unless the
+  environment sets it), and the layout is logged at start.
+* With ``--config FILE`` (``shared.config``) the workers come from the
+  file's pools instead: each pool's workers get its model, served name,
+  engine flags (after the command line's, so the pool's win) and devices
+  (GPU ids, or the CPU cores each worker is pinned to), and the gateway
+  reads the same file.
+
+The gateway's settings are flags of ``llmgate serve`` too (``--policy``,
+``--api-keys-file``, ...): given, they go to the gateway only, but for those
+a worker has too (``--heartbeat-interval``, ``--drain-timeout``), which go to
+both, as their ``LLMGATE_*`` variables do. ``--workers`` is not one of them:
+the gateway's workers are the ones serve starts. Flags the launcher does not
+know are passed to every worker: they are vLLM engine flags (``--model``,
+``--dtype``, ``--max-model-len``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from serve.children import Child
+from shared import config as pools_config
+from shared import settings
+
+log = logging.getLogger("llmgate.launcher")
+
+# The gateway's settings that ``llmgate serve`` takes as flags and hands to
+# its gateway: all but those serve decides itself (its own settings of the
+# same names, which it passes on as it needs, and the workers' addresses).
+GATEWAY_FLAGS = [
+    name
+    for name, *_ in settings.fields(settings.GatewaySettings)
+    if name not in {n for n, *_ in settings.fields(settings.ServeSettings)} | {"workers"}
+]
+# Of those, the ones a worker has too go to the workers as well, as their
+# LLMGATE_* variables would (a drain or heartbeat setting is the system's).
+SHARED_FLAGS = [
+    name
+    for name in GATEWAY_FLAGS
+    if name in {n for n, *_ in settings.fields(settings.WorkerSettings)}
+]
+
+
+def count_gpus() -> int:
+    """GPUs visible to this process (nvidia-smi), without importing torch."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+def cpu_slices(num_workers: int, cores: list[int]) -> list[str]:
+    """Split ``cores`` into ``num_workers`` contiguous slices, as "a-b" ranges."""
+    if num_workers > len(cores):
+        raise ValueError(
+            f"{num_workers} CPU workers need at least as many cores; "
+            f"this machine gives us {len(cores)}"
+        )
+    per = len(cores) // num_workers
+    slices = []
+    for i in range(num_workers):
+        chunk = cores[i * per : (i + 1) * per]
+        slices.append(",".join(str(c) for c in chunk))
+    return slices
+
+
+def plan_workers(serve: settings.ServeSettings, engine_args: list[str]) -> list[Child]:
+    gpus = count_gpus() if serve.device in ("auto", "gpu") else 0
+    if serve.device == "gpu" and gpus == 0:
+        settings.refuse("--device gpu, but no GPU is visible")
+    base_env = dict(os.environ)
+    children = []
+    if gpus:
+        for i in range(gpus):
+            env = dict(base_env, CUDA_VISIBLE_DEVICES=str(i))
+            children.append(_worker_child(i, serve, engine_args, env))
+        return children
+    cores = sorted(os.sched_getaffinity(0))
+    slices = cpu_slices(serve.num_workers, cores) if serve.num_workers > 1 else [""]
+    for i, cpu_slice in enumerate(slices):
+        children.append(_worker_child(i, serve, engine_args, cpu_worker_env(base_env, cpu_slice)))
+    log.info("%s", describe_cpu_layout(children, cores))
+    return children
+
+
+def cpu_worker_env(base_env: dict[str, str], cpu_slice: str) -> dict[str, str]:
+    """The environment of a CPU worker computing on ``cpu_slice`` ("" = every usable core)."""
+    env = dict(base_env)
+    if cpu_slice:
+        # Each worker computes on its own cores, with no core held back for
+        # vLLM's front end (it would be taken from another worker).
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_slice
+    # No core held back for vLLM's front end either when one worker has them
+    # all: vLLM's default reserves one, which on a 2-core machine leaves half
+    # of it idle; the front end's and the gateway's share is small (measured
+    # in docs/benchmarks.md: 278 against 154 output tokens/s on 2 cores). The
+    # environment still wins.
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    return env
+
+
+def describe_cpu_layout(children: list[Child], cores: list[int]) -> str:
+    """One log line: which cores each CPU worker computes on, and what is held back."""
+    parts = []
+    for child in children:
+        bind = child.env.get("VLLM_CPU_OMP_THREADS_BIND") or f"all {len(cores)}"
+        reserved = child.env.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "vLLM's default")
+        parts.append(f"{child.name} on cores {bind} (reserved for its front end: {reserved})")
+    return f"CPU layout, {len(cores)} usable cores: " + "; ".join(parts)
+
+
+def plan_pool_workers(
+    serve: settings.ServeSettings, config: pools_config.Config, engine_args: list[str]
+) -> list[Child]:
+    """The workers of every pool in ``config``, numbered across pools in file order."""
+    gpus = count_gpus() if serve.device in ("auto", "gpu") else 0
+    if serve.device == "gpu" and gpus == 0:
+        settings.refuse("--device gpu, but no GPU is visible")
+    # Workers whose pool names no devices share what the others leave free.
+    declared = {n for pool in config.pools for d in pool.devices for n in _device_numbers(d)}
+    count = sum(pool.workers for pool in config.pools if not pool.devices)
+    if gpus:
+        ids = [i for i in range(gpus) if i not in declared] or list(range(gpus))
+        undeclared = iter([str(ids[i % len(ids)]) for i in range(count)])
+    else:
+        cores = sorted(os.sched_getaffinity(0))
+        free = [c for c in cores if c not in declared] or cores
+        if count == 0:
+            undeclared = iter([])
+        else:
+            undeclared = iter(cpu_slices(count, free) if count > 1 or declared else [""])
+    children: list[Child] = []
+    for pool in config.pools:
+        for devices in pool.devices or [next(undeclared) for _ in range(pool.workers)]:
+            if gpus:
+                env = dict(os.environ, CUDA_VISIBLE_DEVICES=devices)
+            else:
+                env = cpu_worker_env(dict(os.environ), devices)
+            args = [*engine_args, "--served-model-name", pool.model_name, *pool.engine_args]
+            if pool.model:
+                args += ["--model", pool.model]
+            child = _worker_child(len(children), serve, args, env, pool=pool.name)
+            child.name = f"{pool.name}-{child.name}"
+            children.append(child)
+    if not gpus:
+        log.info("%s", describe_cpu_layout(children, cores))
+    return children
+
+
+def _device_numbers(devices: str) -> set[int]:
+    """``"0,2-3"`` as ``{0, 2, 3}``."""
+    numbers: set[int] = set()
+    for part in devices.replace(" ", "").split(","):
+        low, _, high = part.partition("-")
+        numbers.update(range(int(low), int(high or low) + 1))
+    return numbers
+
+
+def worker_address(serve: settings.ServeSettings, index: int) -> str:
+    return f"tcp://127.0.0.1:{serve.worker_base_port + index}"
+
+
+def _worker_child(
+    index: int,
+    serve: settings.ServeSettings,
+    engine_args: list[str],
+    env: dict[str, str],
+    pool: str = "",
+) -> Child:
+    argv = [
+        sys.executable,
+        "-m",
+        "worker.main",
+        "--bind",
+        worker_address(serve, index),
+        "--worker-id",
+        f"worker-{index}",
+        "--log-level",
+        serve.log_level.upper(),
+        "--log-format",
+        serve.log_format,
+    ]
+    if pool:
+        argv += ["--pool", pool]
+    if serve.worker_metrics_port:
+        argv += ["--metrics-port", str(serve.worker_metrics_port + index)]
+    if serve.otlp_endpoint and not any(a.startswith("--otlp-traces-endpoint") for a in engine_args):
+        # vLLM's own spans, in the trace the gateway starts for each request.
+        argv += ["--otlp-traces-endpoint", serve.otlp_endpoint]
+    argv += engine_args
+    return Child(name=f"worker-{index}", argv=argv, env=env, own_rpc_dir=True)
+
+
+def _gateway_child(
+    serve: settings.ServeSettings, num_workers: int, gateway_flags: Sequence[str] = ()
+) -> Child:
+    workers = ",".join(worker_address(serve, i) for i in range(num_workers))
+    argv = [
+        sys.executable,
+        "-m",
+        "gateway.main",
+        "--workers",
+        workers,
+        "--host",
+        serve.host,
+        "--port",
+        str(serve.port),
+        "--log-level",
+        serve.log_level,
+        "--log-format",
+        serve.log_format,
+        "--otlp-endpoint",
+        serve.otlp_endpoint,
+    ]
+    if serve.config:
+        argv += ["--config", str(Path(serve.config).resolve())]
+    # The response cache and the state directory (batch jobs) are the gateway's.
+    argv += [
+        *("--cache", serve.cache, "--cache-ttl", str(serve.cache_ttl)),
+        *("--cache-max-bytes", str(serve.cache_max_bytes), "--cache-scope", serve.cache_scope),
+        *("--state-dir", serve.state_dir),
+        *("--batch-max-inflight", str(serve.batch_max_inflight)),
+        # The gateway's own settings given to serve (GATEWAY_FLAGS).
+        *gateway_flags,
+    ]
+    return Child(name="gateway", argv=argv, env=dict(os.environ))
+
+
+def plan_children(
+    serve: settings.ServeSettings, namespace: argparse.Namespace, engine_args: list[str]
+) -> list[Child]:
+    """The workers, then the gateway, from serve's parsed command line: the
+    gateway's settings given (``GATEWAY_FLAGS``) go to the gateway, those a
+    worker has too (``SHARED_FLAGS``) and the engine flags to every worker."""
+    worker_args = [*settings.given_flags(namespace, SHARED_FLAGS), *engine_args]
+    if serve.config:
+        try:
+            config = pools_config.load(serve.config)
+        except pools_config.ConfigError as exc:
+            settings.refuse(f"llmgate serve: {exc}")
+        try:
+            workers = plan_pool_workers(serve, config, worker_args)
+        except ValueError as exc:
+            settings.refuse(f"llmgate serve: {serve.config}: {exc}")
+    else:
+        workers = plan_workers(serve, worker_args)
+    gateway_flags = settings.given_flags(namespace, GATEWAY_FLAGS)
+    return [*workers, _gateway_child(serve, len(workers), gateway_flags)]
