@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
 
-.PHONY: install run test test-fast lint format bench bench-overhead bench-scaling loadtest clean
+.PHONY: install run test test-fast lint format docs bench bench-overhead bench-scaling loadtest clean
 
 install:
 	@scripts/install.sh
@@ -29,10 +29,16 @@ lint: install
 	$(PY) -m ruff check gateway worker shared serve tests loadtest deploy
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
 
 format: install
 	$(PY) -m ruff format gateway worker shared serve tests loadtest deploy
 	$(PY) -m ruff check --fix gateway worker shared serve tests loadtest deploy
+
+# The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link,
+# a missing anchor or a page left out of the nav fails.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 # llmgate against vLLM, vllm-router, the FastAPI batching baseline and vLLM in-process.
 bench: install
@@ -53,4 +59,4 @@ loadtest: install
 	$(PY) -m loadtest.loadtest $(ARGS)
 
 clean:
-	rm -rf $(VENV) .models .pytest_cache .mypy_cache .ruff_cache loadtest/results
+	rm -rf $(VENV) .models .pytest_cache .mypy_cache .ruff_cache loadtest/results site

