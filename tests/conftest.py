@@ -199,3 +199,28 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
         base = item.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
         logs = sorted(base.rglob("*.log"))
         result.sections.append(("machine", report(_watch, call.start, call.stop, logs, _loops)))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Every stall of the test process and of its event loops this session, passed
+    tests included (a stall that a test survived is still a stall to explain);
+    the loop stalls' stacks go to loop-stalls.txt under pytest's base directory."""
+    stalls = _watch.between(0, float("inf"))
+    loop_stalls = _loops.between(0, float("inf"))
+    reporter = terminalreporter
+    reporter.section("stalls")
+    worst = max((s.seconds for s in stalls), default=0.0)
+    reporter.write_line(
+        f"test process stalled {len(stalls)} times (worst {worst:.1f} s late); "
+        f"its event loops went {len(loop_stalls)} times without running for "
+        f"{_loops.after:.0f} s or more"
+    )
+    for stall in stalls:
+        reporter.write_line(f"  {stall}")
+    if loop_stalls:
+        base = reporter.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+        path = Path(base) / "loop-stalls.txt"
+        path.write_text("\n\n".join(map(str, loop_stalls)))
+        for stall in loop_stalls:
+            reporter.write_line(f"  {str(stall).splitlines()[0]}")
+        reporter.write_line(f"  stacks: {path}")
