@@ -110,7 +110,7 @@ class Admission:
         target: Target,
         key: str | None,
         deadline: float,
-        exclude: Collection[WorkerState],
+        exclude: Collection[str],
         on_queued: Callable[[], object] | None = None,
         low_priority: bool = False,
     ) -> tuple[WorkerState, Tier]:
@@ -153,7 +153,7 @@ class Admission:
         tiers: list[Tier],
         key: str | None,
         deadline: float,
-        exclude: Collection[WorkerState],
+        exclude: Collection[str],
         on_queued: Callable[[], object] | None,
     ) -> tuple[WorkerState, Tier]:
         """Queue for the home pool (and, after ``spill_after``, the later tiers)."""
@@ -222,7 +222,7 @@ class Admission:
             self._leave(waiter, chosen is not None, tiers)
 
     async def _wait_low(
-        self, home: Tier, key: str | None, deadline: float, exclude: Collection[WorkerState]
+        self, home: Tier, key: str | None, deadline: float, exclude: Collection[str]
     ) -> tuple[WorkerState, Tier]:
         """Queue behind every interactive request for ``home`` (see the module docstring)."""
         queue = self.pool(home)
@@ -263,7 +263,7 @@ class Admission:
             self.wake_pools(tiers)
 
     def _take_spare(
-        self, tier: Tier, key: str | None, exclude: Collection[WorkerState]
+        self, tier: Tier, key: str | None, exclude: Collection[str]
     ) -> tuple[WorkerState, Tier] | None:
         """A free slot of ``tier`` for a low-priority request: only one that no
         interactive request queued for the pool will need."""
@@ -271,23 +271,23 @@ class Admission:
         spare = sum(self._capacity(w) - w.in_flight for w in free)
         if spare <= self.pool(tier).queued:
             return None
-        return self.policy.select(RoutingContext(tier.model, free, key)), tier
+        return self.policy.select(RoutingContext(free, key)), tier
 
     def capacity(self) -> int:
         """Slots of the healthy workers, all pools together."""
         return sum(self._capacity(w) for w in self.workers.healthy())
 
     def _take(
-        self, tier: Tier, key: str | None, exclude: Collection[WorkerState]
+        self, tier: Tier, key: str | None, exclude: Collection[str]
     ) -> tuple[WorkerState, Tier] | None:
         """A free worker of ``tier``, chosen by the policy; None if none."""
         free = self._free(tier, exclude)
         if not free:
             return None
-        return self.policy.select(RoutingContext(tier.model, free, key)), tier
+        return self.policy.select(RoutingContext(free, key)), tier
 
     def _spill(
-        self, tiers: list[Tier], key: str | None, exclude: Collection[WorkerState]
+        self, tiers: list[Tier], key: str | None, exclude: Collection[str]
     ) -> tuple[WorkerState, Tier] | None:
         for tier in tiers[1:]:
             free = self._free(tier, exclude)
@@ -296,7 +296,7 @@ class Admission:
                 log.debug(
                     "spill-over: %s is full, %s takes the request", tiers[0].label, tier.label
                 )
-                return self.policy.select(RoutingContext(tier.model, free, key)), tier
+                return self.policy.select(RoutingContext(free, key)), tier
         return None
 
     def expected_wait(self, tier: Tier) -> float:
@@ -341,27 +341,28 @@ class Admission:
         return reported or cap or 1
 
     @staticmethod
-    def _runs(worker: WorkerState, tier: Tier, exclude: Collection[WorkerState]) -> bool:
-        """Whether ``worker`` may take a request for ``tier`` now (slots aside)."""
+    def _runs(worker: WorkerState, tier: Tier, exclude: Collection[str]) -> bool:
+        """Whether ``worker`` may take a request for ``tier`` now (slots aside);
+        ``exclude``: addresses of workers not to use."""
         return (
             worker.healthy
             and not worker.draining
             and tier.model in worker.models
             and (not tier.pool or worker.pool == tier.pool)
-            and worker not in exclude
+            and worker.address not in exclude
         )
 
     def serves(self, tier: Tier) -> bool:
         """Whether any worker may take a request for ``tier`` now (slots aside)."""
         return any(self._runs(w, tier, ()) for w in self.workers.by_address.values())
 
-    def _serving(self, tier: Tier, exclude: Collection[WorkerState]) -> list[WorkerState]:
+    def _serving(self, tier: Tier, exclude: Collection[str]) -> list[WorkerState]:
         return [w for w in self.workers.by_address.values() if self._runs(w, tier, exclude)]
 
-    def _free(self, tier: Tier, exclude: Collection[WorkerState]) -> list[WorkerState]:
+    def _free(self, tier: Tier, exclude: Collection[str]) -> list[WorkerState]:
         return [w for w in self._serving(tier, exclude) if w.in_flight < self._capacity(w)]
 
-    def _live_tiers(self, target: Target, exclude: Collection[WorkerState]) -> list[Tier]:
+    def _live_tiers(self, target: Target, exclude: Collection[str]) -> list[Tier]:
         """The target's tiers that have a worker to run on; 404/503 if none has."""
         workers = self.workers.by_address.values()
         tiers = [t for t in target.tiers if any(self._runs(w, t, exclude) for w in workers)]

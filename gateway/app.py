@@ -20,6 +20,7 @@ from gateway.api import tgi as _tgi_endpoints  # noqa: F401  (attach themselves 
 from gateway.api.request_ids import request_id_of
 from gateway.batch import api as batch_api
 from gateway.cache import merge_config, open_cache
+from gateway.models import Models
 from gateway.pool import Pool
 from gateway.routes import render
 from shared.settings import GatewaySettings
@@ -60,18 +61,20 @@ def create_api(settings: GatewaySettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        pool = Pool(settings)
+        # Model names, aliases, auto, pools and tiers (--config).
+        models = Models.from_file(settings.config)
+        pool = Pool(settings, models=models)
         await pool.start()
         app.state.pool = pool
         # None when --cache is off; the pools file's `cache:` fills in the
         # settings that flags and environment left at their defaults.
-        cached = merge_config(settings, pool.names.config)
+        cached = merge_config(settings, models.config)
         app.state.cache = cache = open_cache(
             cached.cache, cached.cache_ttl, cached.cache_max_bytes, cached.cache_scope
         )
         # Files and batch jobs; the runner sends its lines through the app above.
         app.state.batches = batches = batch.start(
-            settings, app.state.requests_app, pool.admission.capacity, pool.interactive_since
+            settings, app.state.requests_app, pool.capacity, pool.interactive_since
         )
         # What start-up built (FastAPI, pydantic, routes) lives as long as the
         # process: frozen, the cyclic collector stops walking it again every
@@ -89,6 +92,9 @@ def create_api(settings: GatewaySettings) -> FastAPI:
     app = FastAPI(
         title="llmgate", summary="OpenAI-compatible gateway over vLLM workers", lifespan=lifespan
     )
+    # What the endpoints read (gateway.api.state); the pool and the cache
+    # join it when the app starts.
+    app.state.settings = settings
     for route in routes.ROUTES:
         assert route.endpoint is not None, f"no endpoint serves {route.path}"
         app.add_api_route(route.path, route.endpoint, methods=["POST"], tags=[route.tag])

@@ -8,15 +8,67 @@ choices, is at least the config's ``min_mean_logprob`` and, if the request
 asked for a JSON ``response_format``, every choice parses as JSON.
 Otherwise the request is run again on the escalation target and the client
 gets that answer alone.
+
+:func:`run` is that loop, over the caller's ``attempts``: one run of the
+request on a target, to its end, with retries of its own
+(``gateway.api.attempts``), its output in the response builder.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
-from gateway import sse
+from gateway import metrics, sse
+from gateway.models import Target
 from shared import protocol
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def applies(target: Target, kind: protocol.RequestKind) -> bool:
+    """Whether a request for ``target`` is cascaded: the target escalates, and
+    the answer is our own builder's (not vLLM's, whose logprobs it cannot judge)."""
+    return target.escalate_to is not None and kind != "vllm"
+
+
+async def run(
+    target: Target,
+    kind: protocol.RequestKind,
+    raw: dict[str, Any],
+    builder: sse.ResponseBuilder,
+    attempts: Callable[[Target, dict[str, Any]], Awaitable[T]],
+    forget: Callable[[], None],
+    log_extra: dict[str, str] | None = None,
+) -> tuple[T, str]:
+    """The answer the client gets, and the cascade's outcome: "accepted" (the
+    default model's answer was good enough) or "escalated".
+
+    ``attempts(target, body)`` runs the request to its end, its output in
+    ``builder``; ``forget()`` drops that output before the escalation runs.
+    """
+    escalate_to = target.escalate_to
+    assert escalate_to is not None
+    answer = await attempts(target, with_logprobs(kind, raw))
+    reason = shortfall(builder, raw, target.min_mean_logprob)
+    if reason is None:
+        metrics.CASCADE.labels("accepted").inc()
+        return answer, "accepted"
+    log.debug(
+        "cascade: escalating from %s to %s (%s)",
+        target.model,
+        escalate_to.model,
+        reason,
+        extra=log_extra,
+    )
+    metrics.CASCADE.labels("escalated").inc()
+    forget()
+    escalated = Target(escalate_to.model, escalate_to.tiers, rule=target.rule)
+    return await attempts(escalated, raw), "escalated"
 
 
 def with_logprobs(kind: protocol.RequestKind, raw: dict[str, Any]) -> dict[str, Any]:

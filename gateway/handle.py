@@ -1,11 +1,16 @@
-"""One attempt of a request on one worker, as the API code sees it: iterate, then close.
+"""One attempt of a request on one worker: the API side reads it, the pool's side fills it.
 
-The pool (``gateway.pool``) makes a :class:`RequestHandle` when it sends a
-request to a worker, and delivers to it, in order, whatever arrives for it:
+The pool (``gateway.pool``) opens a :class:`RequestHandle` when it sends a
+request to a worker (:meth:`RequestHandle.open`) and keeps the other end, a
+:class:`Delivery`: whatever arrives for the request goes in there, in order:
 the worker's ``Delta`` items (the last one carries ``usage``), or a
-``Failed``, or a :class:`WorkerLost` when the worker went away. The handle
-owns the request's deadline. Whoever holds it calls :meth:`RequestHandle.next`
-until the end and :meth:`RequestHandle.close` once done (or gone).
+``Failed``, or a :class:`WorkerLost` when the worker went away.
+
+Whoever holds the handle reads those items (``async for item in handle``,
+or :meth:`RequestHandle.next`) until the last one, then calls
+:meth:`RequestHandle.close` once done (or gone). The handle owns the
+request's deadline, and says who answered (:class:`Answerer`) without
+handing out the worker itself.
 """
 
 from __future__ import annotations
@@ -15,14 +20,10 @@ import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from gateway import errors
 from shared import protocol
-
-if TYPE_CHECKING:
-    from gateway.models import Tier
-    from gateway.workers import WorkerState
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,21 +35,74 @@ class WorkerLost:
 
 Item = protocol.Delta | protocol.Failed | WorkerLost
 
+
+@dataclass(frozen=True, slots=True)
+class Answerer:
+    """Who answers a request, as of when it was sent: what its response headers,
+    trace, metrics and cached entry say about it."""
+
+    # The worker's address: its name in headers, logs and metrics.
+    address: str
+    # Which run of the worker process (a restart is a new one).
+    incarnation: str
+    # The served model name the worker knows the request by (a substitute's,
+    # when it spilled over to a later tier).
+    model: str
+    # The pool that runs it: the tier's, or for a name the config does not
+    # declare (a LoRA adapter) its worker's; "" without a config.
+    pool: str
+    system_fingerprint: str | None
+    # Its chats stream as under a vLLM tool or reasoning parser (sse.Chat.chunk).
+    chat_parser: bool
+
+
+class Delivery(Protocol):
+    """The pool's end of a handle: what it puts in, and what it needs to know."""
+
+    @property
+    def finished(self) -> bool:
+        """The worker sent the request's last item: nothing left to abort there."""
+        ...
+
+    @property
+    def streaming(self) -> bool:
+        """Its first delta went out to the client as a stream: it can no longer
+        be retried elsewhere, so a worker that falls silent is waited for
+        (``--stall-timeout``) rather than given up at once."""
+        ...
+
+    def deliver(self, item: Item) -> None:
+        """One item that arrived for the request, in order."""
+        ...
+
+
 # Put in a request's inbox by its deadline timer: one timer per attempt is
 # cheaper than a timeout scope around every wait for a delta.
 _DEADLINE = object()
 
 
-class Inbox:
-    """What arrived for one request, in order: an ``asyncio.Queue`` for one
-    reader and no bound, without the Queue's bookkeeping (it is made, filled
-    and read once per request)."""
+def _is_last(item: object) -> bool:
+    """Whether ``item`` ends the request: a failure, or the delta with its usage."""
+    return type(item) is not protocol.Delta or item.usage is not None
 
-    __slots__ = ("_items", "_waiter")
+
+class _Inbox:
+    """What arrived for one request, in order (the :class:`Delivery` the pool
+    holds): an ``asyncio.Queue`` for one reader and no bound, without the
+    Queue's bookkeeping (it is made, filled and read once per request)."""
+
+    __slots__ = ("_items", "_waiter", "finished", "streaming")
 
     def __init__(self) -> None:
         self._items: collections.deque[object] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
+        self.finished = False
+        self.streaming = False
+
+    def deliver(self, item: Item) -> None:
+        if _is_last(item):
+            self.finished = True
+        self.put_nowait(item)
 
     def put_nowait(self, item: object) -> None:
         self._items.append(item)
@@ -75,57 +129,70 @@ class Inbox:
 class RequestHandle:
     """One attempt of a request on one worker: its items in order, until close.
 
-    ``next()`` returns what the worker sent and raises ``errors.Timeout`` once
-    the request's deadline has passed. ``close()`` lets go of the request,
-    aborting it on the worker if it is still running there; it may be called
-    more than once.
+    ``async for item in handle`` yields what the worker sent, up to and
+    including the last item (the delta with ``usage``, a ``Failed`` or a
+    :class:`WorkerLost`); like :meth:`next`, it raises ``errors.Timeout``
+    once the request's deadline has passed. ``close()`` lets go of the
+    request, aborting it on the worker if it is still running there; it may
+    be called more than once.
     """
+
+    __slots__ = ("_inbox", "_read_last", "_release", "_timer", "answered_by", "request_id")
 
     def __init__(
         self,
         request_id: str,
-        worker: WorkerState,
+        answered_by: Answerer,
         deadline: float,
-        release: Callable[[RequestHandle], None],
-        tier: Tier,
-        low_priority: bool = False,
+        inbox: _Inbox,
+        release: Callable[[], None],
     ) -> None:
+        # The id the worker knows it by (the client's, or with a ``~N`` suffix).
         self.request_id = request_id
-        self.worker = worker
-        # A batch line's (admitted behind interactive requests).
-        self.low_priority = low_priority
-        # The pool it runs in, and since when (for the pool's mean request time).
-        self.tier = tier
-        self.started = time.monotonic()
-        # Set once the worker has sent its last item (nothing to abort).
-        self.finished = False
-        # Set once its first delta is going out to the client as a stream: it
-        # can no longer be retried elsewhere, so a worker that falls silent is
-        # waited for (--stall-timeout) rather than given up at once.
-        self.streaming = False
-        self._inbox = Inbox()
-        self._release = release
+        self.answered_by = answered_by
+        self._inbox = inbox
+        self._release: Callable[[], None] | None = release
+        self._read_last = False
         self._timer = (
             asyncio.get_running_loop().call_later(
-                deadline - time.time(), self._inbox.put_nowait, _DEADLINE
+                deadline - time.time(), inbox.put_nowait, _DEADLINE
             )
             if deadline
             else None
         )
 
-    def deliver(self, item: Item) -> None:
-        """Called by the pool for each item that arrives for this request."""
-        if type(item) is protocol.Delta:
-            if item.usage is not None:
-                self.finished = True
-        else:  # Failed, WorkerLost: the last item either way
-            self.finished = True
-        self._inbox.put_nowait(item)
+    @classmethod
+    def open(
+        cls,
+        request_id: str,
+        answered_by: Answerer,
+        deadline: float,
+        release: Callable[[], None],
+    ) -> tuple[RequestHandle, Delivery]:
+        """A handle, and the end the pool delivers to; ``release`` is called
+        once, on the first :meth:`close`. ``deadline``: Unix time (0: none)."""
+        inbox = _Inbox()
+        return cls(request_id, answered_by, deadline, inbox, release), inbox
+
+    @property
+    def finished(self) -> bool:
+        """The worker has sent the last item (it may not have been read yet)."""
+        return self._inbox.finished
+
+    def __aiter__(self) -> RequestHandle:
+        return self
+
+    async def __anext__(self) -> Item:
+        if self._read_last:
+            raise StopAsyncIteration
+        return await self.next()
 
     async def next(self) -> Item:
         item = await self._inbox.get()
         if item is _DEADLINE:
             raise errors.Timeout("The request timed out.")
+        if _is_last(item):
+            self._read_last = True
         return item  # type: ignore[return-value]
 
     def next_nowait(self) -> Item | None:
@@ -133,9 +200,18 @@ class RequestHandle:
         item = self._inbox.peek()
         if item is None or item is _DEADLINE:
             return None
+        if _is_last(item):
+            self._read_last = True
         return self._inbox.get_nowait()  # type: ignore[return-value]
+
+    def mark_streaming(self) -> None:
+        """Its first delta is going out to the client as a stream (see
+        :attr:`Delivery.streaming`)."""
+        self._inbox.streaming = True
 
     def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._release(self)
+        release, self._release = self._release, None
+        if release is not None:
+            release()

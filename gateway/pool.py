@@ -3,27 +3,34 @@
 ``Pool.submit`` admits a request (``gateway.admission``: a free slot, or the
 queue, or a refusal), lets the routing policy pick the worker
 (``gateway.policies``), sends it there (``gateway.transport``) and returns
-the request's :class:`~gateway.handle.RequestHandle`, to which the pool
-delivers whatever the worker sends for it. The workers themselves, their
-heartbeats and their liveness are ``gateway.workers``; where they are is
-``gateway.discovery``.
+the request's :class:`~gateway.handle.RequestHandle`, whose other end (a
+:class:`~gateway.handle.Delivery`) the pool fills with whatever the worker
+sends for it. The workers themselves, their heartbeats and their liveness
+are ``gateway.workers``, which tells the pool what happens to them
+(:class:`~gateway.workers.WorkerEvents`); where they are is
+``gateway.discovery``; model names and pools, ``gateway.models``.
+
+Callers use the pool's own methods, never its parts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
+from typing import Any
 
 from gateway import errors, metrics
 from gateway.admission import Admission
 from gateway.discovery import Discovery
-from gateway.handle import RequestHandle, WorkerLost
+from gateway.handle import Answerer, Delivery, RequestHandle, WorkerLost
 from gateway.models import Models, Target, Tier
 from gateway.policies import Policy, make_policy
 from gateway.transport import WorkerLink
@@ -37,6 +44,20 @@ log = logging.getLogger(__name__)
 RELEASED_IDS_KEPT = 10_000
 
 
+@dataclass(eq=False, slots=True)
+class _Attempt:
+    """One request on one worker, as the pool keeps it until its handle is closed."""
+
+    request_id: str
+    worker: WorkerState
+    # The pool it runs in, and since when (for the pool's mean request time).
+    tier: Tier
+    delivery: Delivery
+    # A batch line's (admitted behind interactive requests).
+    low_priority: bool
+    started: float = field(default_factory=time.monotonic)
+
+
 class Pool:
     def __init__(
         self,
@@ -45,27 +66,23 @@ class Pool:
         models: Models | None = None,
     ) -> None:
         self.settings = settings
-        self.policy = policy or make_policy(
+        self._policy = policy or make_policy(
             settings.policy, settings.prefix_load_factor, settings.prefix_load_slack
         )
         # Model names, aliases, auto, pools and tiers (--config).
         self.names = models if models is not None else Models.from_file(settings.config)
         self.gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
         self.started_at = int(time.time())
+        # The workers tell the pool what happens to them (WorkerEvents below).
         self.workers = Workers(
-            settings,
-            self.gateway_id,
-            on_message=self._on_message,
-            on_lost=self._fail_requests,
-            on_up=lambda: self.admission.wake(),
+            settings, self.gateway_id, events=self, pool_of_address=self.names.pool_of_address()
         )
-        self.workers.pool_of_address = self.names.pool_of_address()
-        self.admission = Admission(settings, self.workers, self.policy)
+        self.admission = Admission(settings, self.workers, self._policy)
         self.discovery = Discovery(
             _worker_addresses(settings, self.names), settings.resolve_interval, self.workers.sync
         )
         # Requests sent to a worker and not yet closed, by the id the worker knows.
-        self.pending: dict[str, RequestHandle] = {}
+        self.pending: dict[str, _Attempt] = {}
         # Ids released lately: a retry, or a client reusing its X-Request-Id,
         # gets a suffixed id, so no late delta for the old one reaches it.
         self._released: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -96,14 +113,37 @@ class Pool:
     # -- queries -----------------------------------------------------------
 
     @property
+    def uses_key(self) -> bool:
+        """Whether requests need a routing key (the prefix policy's affinity)."""
+        return self._policy.uses_key
+
+    def resolve(
+        self, model: str, raw: dict[str, Any], headers: Iterable[tuple[bytes, bytes]]
+    ) -> Target:
+        """The pools a request for ``model`` may run on (``gateway.models``)."""
+        return self.names.resolve(model, raw, headers)
+
+    def listing(self, served: list[str]) -> list[dict[str, Any]]:
+        """``/v1/models``' entries beyond the served models: aliases, the auto name."""
+        return self.names.listing(served)
+
+    @property
     def known_models(self) -> set[str]:
         return self.workers.known_models
 
     def healthy_workers(self) -> list[WorkerState]:
         return self.workers.healthy()
 
+    def worker_count(self) -> int:
+        """Worker addresses known, healthy or not."""
+        return len(self.workers.by_address)
+
     def models(self) -> list[str]:
         return self.workers.models()
+
+    def capacity(self) -> int:
+        """Slots of the healthy workers, all pools together."""
+        return self.admission.capacity()
 
     def interactive_since(self) -> float:
         """Seconds since this process last had an interactive request on a worker
@@ -125,7 +165,7 @@ class Pool:
         params: dict[str, object],
         deadline: float,
         key: str | None = None,
-        exclude: Collection[WorkerState] = (),
+        exclude: Collection[str] = (),
         trace: dict[str, str] | None = None,
         on_queued: Callable[[], object] | None = None,
         low_priority: bool = False,
@@ -134,9 +174,11 @@ class Pool:
 
         ``request_id`` becomes the id of the ``Generate`` (and vLLM's); if
         it is in use or was lately (a retry, a client's reused
-        ``X-Request-Id``), a suffix ``~N`` keeps the two apart. ``trace`` is
-        the request's trace context, for the worker. ``low_priority`` (a batch
-        line) waits behind interactive requests here and in the engine.
+        ``X-Request-Id``), a suffix ``~N`` keeps the two apart. ``exclude``:
+        addresses of workers not to use (those a retry already failed on).
+        ``trace`` is the request's trace context, for the worker.
+        ``low_priority`` (a batch line) waits behind interactive requests
+        here and in the engine.
         """
         if isinstance(target, str):
             target = Target(target, (Tier("", target),))
@@ -163,8 +205,18 @@ class Pool:
             raise errors.BadRequest(
                 "The request holds an integer too large to handle (64 bits at most)."
             ) from None
-        handle = RequestHandle(request_id, worker, deadline, self._release, tier, low_priority)
-        self.pending[request_id] = handle
+        answered_by = Answerer(
+            address=worker.address,
+            incarnation=worker.incarnation,
+            model=tier.model,
+            pool=tier.pool or worker.pool,
+            system_fingerprint=worker.system_fingerprint,
+            chat_parser=worker.chat_parser,
+        )
+        # A handle releases its request once, however often it is closed.
+        release = functools.partial(self._release, request_id)
+        handle, delivery = RequestHandle.open(request_id, answered_by, deadline, release)
+        self.pending[request_id] = _Attempt(request_id, worker, tier, delivery, low_priority)
         if not low_priority:
             self.interactive_in_flight += 1
             self.last_interactive = time.monotonic()
@@ -175,44 +227,45 @@ class Pool:
         self.admission.started(tier)
         return handle
 
-    def _release(self, handle: RequestHandle) -> None:
+    def _release(self, request_id: str) -> None:
         """A handle was closed: forget it, abort it on its worker if it still runs there."""
-        if self.pending.get(handle.request_id) is not handle:
-            return  # closed before
-        del self.pending[handle.request_id]
-        if not handle.low_priority:
+        attempt = self.pending.pop(request_id)
+        if not attempt.low_priority:
             self.interactive_in_flight -= 1
             self.last_interactive = time.monotonic()
-        self._released[handle.request_id] = None
+        self._released[attempt.request_id] = None
         if len(self._released) > RELEASED_IDS_KEPT:
             self._released.popitem(last=False)
-        worker = handle.worker
-        worker.requests.discard(handle.request_id)
+        worker = attempt.worker
+        worker.requests.discard(attempt.request_id)
         worker.in_flight -= 1
         metrics.IN_FLIGHT.dec()
         worker.in_flight_gauge.dec()
-        if not handle.finished and (worker.healthy or worker.stalled):
-            worker.link.send(protocol.Abort(request_ids=[handle.request_id]))
+        finished = attempt.delivery.finished
+        if not finished and (worker.healthy or worker.stalled):
+            worker.link.send(protocol.Abort(request_ids=[attempt.request_id]))
         # Only whole requests tell the pool how long one takes (not aborts).
-        took = time.monotonic() - handle.started if handle.finished else None
-        self.admission.finished(handle.tier, took)
+        took = time.monotonic() - attempt.started if finished else None
+        self.admission.finished(attempt.tier, took)
 
-    def _on_message(self, link: WorkerLink, message: protocol.ToGateway) -> None:
+    # -- what the workers tell the pool (gateway.workers.WorkerEvents) -------
+
+    def worker_output(self, link: WorkerLink, message: protocol.ToGateway) -> None:
         """Deltas and failures, to the handles of the requests they are for."""
         # Only from the worker the request went to: one that was lost (hung,
         # then back) may still send for an id whose request went elsewhere.
         if isinstance(message, protocol.Deltas):
             pending = self.pending
             for delta in message.items:
-                handle = pending.get(delta.request_id)
-                if handle is not None and handle.worker.link is link:
-                    handle.deliver(delta)
+                attempt = pending.get(delta.request_id)
+                if attempt is not None and attempt.worker.link is link:
+                    attempt.delivery.deliver(delta)
         elif isinstance(message, protocol.Failed):
-            handle = self.pending.get(message.request_id)
-            if handle is not None and handle.worker.link is link:
-                handle.deliver(message)
+            attempt = self.pending.get(message.request_id)
+            if attempt is not None and attempt.worker.link is link:
+                attempt.delivery.deliver(message)
 
-    def _fail_requests(
+    def worker_lost(
         self, worker: WorkerState, reason: str, may_return: bool
     ) -> tuple[list[str], int]:
         """Fail the worker's requests (the API retries those it can); which ids
@@ -226,15 +279,19 @@ class Pool:
         failed: list[str] = []
         kept = 0
         for request_id in list(worker.requests):
-            handle = self.pending.get(request_id)
-            if handle is None or handle.finished:
+            attempt = self.pending.get(request_id)
+            if attempt is None or attempt.delivery.finished:
                 continue
-            if may_return and (handle.streaming or not self.admission.serves(handle.tier)):
+            delivery = attempt.delivery
+            if may_return and (delivery.streaming or not self.admission.serves(attempt.tier)):
                 kept += 1
                 continue
-            handle.deliver(WorkerLost(reason))
+            delivery.deliver(WorkerLost(reason))
             failed.append(request_id)
         return failed, kept
+
+    def worker_up(self) -> None:
+        self.admission.wake()
 
 
 def _worker_addresses(settings: GatewaySettings, models: Models) -> str:

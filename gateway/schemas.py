@@ -25,7 +25,6 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 # (``seed_out_of_range``).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 Seed = Annotated[int, msgspec.Meta(ge=SEED_MIN, le=SEED_MAX)]
-NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 
 

@@ -10,7 +10,9 @@ which models it serves, how many requests it takes at once and how many
 other gateways give it, and its incarnation: a new incarnation means the
 process restarted and whatever we had in flight there is gone.
 
-A lost worker's requests are failed through ``on_lost`` (the API retries
+What the workers do is told to one :class:`WorkerEvents` object (the pool):
+output for its requests, a worker up, a worker lost. A lost worker's
+requests are failed through :meth:`WorkerEvents.worker_lost` (the API retries
 those that sent nothing to the client yet), with one exception: a worker
 that is only silent may be *stalled*, not gone, so what a retry cannot help
 waits for it up to ``--stall-timeout`` (its connection dropping or a restart
@@ -25,14 +27,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import zmq
 from prometheus_client import Gauge
 
 from gateway import metrics
-from gateway.transport import OnMessage, WorkerLink
+from gateway.transport import WorkerLink
 from shared import keys, protocol
 from shared.settings import GatewaySettings
 from shared.ticks import Ticks
@@ -56,9 +59,8 @@ class WorkerState:
     in_flight: int = 0
     # Requests it runs or queues for other gateways, as of its last heartbeat.
     others: int = 0
-    # Most requests it runs at once (vLLM's max_num_seqs), and its context length.
+    # Most requests it runs at once (vLLM's max_num_seqs).
     capacity: int = 0
-    max_model_len: int = 0
     system_fingerprint: str | None = None
     # Its chats stream as under a vLLM tool or reasoning parser (protocol.Heartbeat).
     chat_parser: bool = False
@@ -85,6 +87,26 @@ class WorkerState:
         self.in_flight_gauge = metrics.child(metrics.WORKER_IN_FLIGHT, self.key)
 
 
+class WorkerEvents(Protocol):
+    """What the workers tell the one who sends them requests (the pool)."""
+
+    def worker_output(self, link: WorkerLink, message: protocol.ToGateway) -> None:
+        """Deltas or a failure, for requests sent over ``link``."""
+        ...
+
+    def worker_lost(
+        self, worker: WorkerState, reason: str, may_return: bool
+    ) -> tuple[list[str], int]:
+        """``worker`` is out of service: fail its requests (``may_return``: it
+        is only silent, so what a retry cannot help may wait for it); the ids
+        failed, and how many were kept waiting."""
+        ...
+
+    def worker_up(self) -> None:
+        """A worker turned healthy: queued requests may find a slot."""
+        ...
+
+
 class Workers:
     """Every worker address this gateway knows, and each one's health."""
 
@@ -92,22 +114,19 @@ class Workers:
         self,
         settings: GatewaySettings,
         gateway_id: str,
-        on_message: OnMessage,
-        on_lost: Callable[[WorkerState, str, bool], tuple[list[str], int]],
-        on_up: Callable[[], None],
+        events: WorkerEvents,
+        pool_of_address: Mapping[str, str] | None = None,
     ) -> None:
         self.settings = settings
         self.gateway_id = gateway_id
         self.by_address: dict[str, WorkerState] = {}
         # Pools of the addresses the config file places (llmgate gateway --config).
-        self.pool_of_address: dict[str, str] = {}
+        self.pool_of_address: Mapping[str, str] = pool_of_address or {}
         # Every model a worker has said it serves (metrics label only these).
         self.known_models: set[str] = set()
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._curve = keys.gateway_curve(settings)  # None: plaintext links
-        self._on_message = on_message
-        self._on_lost = on_lost
-        self._on_up = on_up
+        self._events = events
         self._any_healthy = asyncio.Event()
 
     # -- queries -----------------------------------------------------------
@@ -170,7 +189,7 @@ class Workers:
             if worker is not None and worker.link is link:
                 self.on_heartbeat(worker, message)
         else:
-            self._on_message(link, message)
+            self._events.worker_output(link, message)
 
     def on_heartbeat(self, worker: WorkerState, beat: protocol.Heartbeat) -> None:
         if beat.protocol_version != protocol.PROTOCOL_VERSION:
@@ -189,7 +208,7 @@ class Workers:
             if worker.stalled:
                 metrics.WORKER_STALLS.labels(worker.key, "lost").inc()
                 worker.stalled = False
-            self._on_lost(worker, "the worker restarted", False)
+            self._events.worker_lost(worker, "the worker restarted", False)
         elif worker.stalled:
             log.warning(
                 "worker %s speaks again: the requests that waited for it carry on", worker.address
@@ -221,7 +240,6 @@ class Workers:
         # in_flight already knows exactly and at once: keep only the rest.
         worker.others = max(0, beat.running + beat.waiting - worker.in_flight)
         worker.capacity = beat.capacity
-        worker.max_model_len = beat.max_model_len
         self._any_healthy.set()
         labels = worker.key
         metrics.WORKER_HEALTHY.labels(labels).set(1)
@@ -229,7 +247,7 @@ class Workers:
         metrics.WORKER_WAITING.labels(labels).set(beat.waiting)
         metrics.WORKER_KV_USAGE.labels(labels).set(beat.kv_cache_usage)
         if not was_healthy:
-            self._on_up()
+            self._events.worker_up()
 
     def _on_connect(self, link: WorkerLink) -> None:
         # The worker answers a gateway's first message with a heartbeat at once.
@@ -269,7 +287,9 @@ class Workers:
         worker.healthy = False
         metrics.WORKER_HEALTHY.labels(worker.key).set(0)
         may_return = silent and self.settings.stall_timeout > self.settings.heartbeat_timeout
-        failed, kept = self._on_lost(worker, f"the worker was lost: {reason}", may_return)
+        failed, kept = self._events.worker_lost(
+            worker, f"the worker was lost: {reason}", may_return
+        )
         if failed:
             # A hung worker (stopped, overloaded, partitioned) may come back:
             # it must then drop what it ran for us, which went elsewhere or

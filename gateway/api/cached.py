@@ -16,15 +16,24 @@ from typing import Any
 import msgspec
 from fastapi.responses import Response, StreamingResponse
 
-from gateway import metrics, sse
+from gateway import metrics, routes, sse
+from gateway.api.headers import CACHE_HEADER, JSON, STREAM_HEADERS, WORKER_HEADER
 from gateway.cache import Entry, ResponseCache, controls, in_scope, key_for
+from gateway.handle import Answerer
+from gateway.pool import Pool
 from gateway.workers import WorkerState
 from shared import protocol
 
-# What the response cache did: hit, miss or bypass (absent with no --cache).
-CACHE_HEADER = "x-llmgate-cache"
-STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-JSON = "application/json"
+# The routes whose answers are cached (OpenAI's; TGI's are not).
+CACHED_ROUTES = frozenset({routes.COMPLETIONS.path, routes.CHAT.path})
+
+
+def cache_step(cache: ResponseCache | None, route: str, kind: str) -> CacheStep | None:
+    """The request's part in the response cache, if its answers may be cached:
+    OpenAI's routes, not vLLM's own answers (the cache stores our deltas)."""
+    if cache is None or route not in CACHED_ROUTES or kind == "vllm":
+        return None
+    return CacheStep(cache)
 
 
 class CacheStep:
@@ -36,6 +45,26 @@ class CacheStep:
         self.recorded: list[protocol.Delta] | None = None
 
     async def look_up(
+        self,
+        pool: Pool,
+        kind: str,
+        served_model: str,
+        body: dict[str, Any],
+        cache_control: str | None,
+        builder: sse.ResponseBuilder,
+        stream: bool,
+    ) -> Response | None:
+        """The stored answer, replayed through ``builder``; None to compute it
+        (recording it into ``recorded`` if it may be kept)."""
+        workers = pool.healthy_workers()
+        entry = await self._find(kind, served_model, body, cache_control, workers)
+        if entry is None:
+            return None
+        # Streamed in the shape its model's workers stream it (sse.Chat.chunk).
+        builder.chat_parser = any(w.chat_parser for w in workers if entry.served_model in w.models)
+        return replay(builder, entry, stream, builder.include_usage)
+
+    async def _find(
         self,
         kind: str,
         served_model: str,
@@ -68,11 +97,11 @@ class CacheStep:
         self,
         usage: protocol.Usage,
         num_choices: int,
-        served_model: str,
-        system_fingerprint: str | None,
+        answered_by: Answerer,
         headers: dict[str, str],
     ) -> None:
-        """Keep an answer every choice of which stopped or hit its length."""
+        """Keep an answer every choice of which stopped or hit its length, with
+        its response headers but the worker's and the cache's own."""
         recorded = self.recorded
         if recorded is None:
             return
@@ -82,9 +111,9 @@ class CacheStep:
         entry = Entry(
             deltas=[msgspec.structs.replace(d, request_id="") for d in recorded],
             usage=usage,
-            served_model=served_model,
-            system_fingerprint=system_fingerprint,
-            headers=headers,
+            served_model=answered_by.model,
+            system_fingerprint=answered_by.system_fingerprint,
+            headers={k: v for k, v in headers.items() if k not in (WORKER_HEADER, CACHE_HEADER)},
         )
         await self.cache.put(self.key, entry)
 

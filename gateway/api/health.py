@@ -21,7 +21,7 @@ async def health(request: Request) -> Response:
             {
                 "status": "ok",
                 "healthy_workers": len(pool.healthy_workers()),
-                "workers": len(pool.workers.by_address),
+                "workers": pool.worker_count(),
             }
         ),
         media_type="application/json",

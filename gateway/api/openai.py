@@ -15,8 +15,10 @@ from fastapi.responses import Response
 
 from gateway import routes, schemas, sse
 from gateway.api import vllm_routes
-from gateway.api.call import JSON, Call, pool_of
+from gateway.api.call import Call
+from gateway.api.headers import JSON
 from gateway.api.http import read_body
+from gateway.api.state import pool_of, settings_of
 from gateway.pool import Pool
 
 router = APIRouter()
@@ -30,7 +32,7 @@ async def list_models(request: Request) -> Response:
     # Aliases (``alias_for``) and the auto name (``routes_to``) follow the
     # models the workers serve (--config).
     entries: list[dict[str, Any]] = [{"id": model} for model in served]
-    entries += pool.names.listing(served)
+    entries += pool.listing(served)
     data = [
         {"object": "model", "created": pool.started_at, "owned_by": "llmgate", **entry}
         for entry in entries
@@ -40,10 +42,10 @@ async def list_models(request: Request) -> Response:
 
 @routes.COMPLETIONS.serves
 async def create_completion(request: Request) -> Response:
-    pool = pool_of(request)
-    raw = schemas.decode_body(await read_body(request, pool.settings.max_body_bytes))
+    settings = settings_of(request)
+    raw = schemas.decode_body(await read_body(request, settings.max_body_bytes))
     body = schemas.validate(raw, schemas.CompletionRequest)
-    schemas.check_limits(body, pool.settings)
+    schemas.check_limits(body, settings)
     if schemas.vllm_field("completion", raw) is not None:
         return await vllm_routes.forward(request, routes.COMPLETIONS.path, raw, body=body)
     builder = sse.Completion("", body.model, body.n * _num_prompts(body.prompt), body.logprobs)
@@ -53,11 +55,11 @@ async def create_completion(request: Request) -> Response:
 
 @routes.CHAT.serves
 async def create_chat_completion(request: Request) -> Response:
-    pool = pool_of(request)
-    raw = schemas.decode_body(await read_body(request, pool.settings.max_body_bytes))
+    settings = settings_of(request)
+    raw = schemas.decode_body(await read_body(request, settings.max_body_bytes))
     body = schemas.validate(raw, schemas.ChatCompletionRequest)
-    schemas.check_limits(body, pool.settings)
-    if schemas.vllm_field("chat", raw) is not None or _reasoning(pool, body.model):
+    schemas.check_limits(body, settings)
+    if schemas.vllm_field("chat", raw) is not None or _reasoning(pool_of(request), body.model):
         return await vllm_routes.forward(request, routes.CHAT.path, raw, body=body)
     builder = sse.Chat("", body.model, body.n, body.logprobs, body.top_logprobs or 0)
     call = Call(request, "chat", routes.CHAT.path, raw, body, builder)

@@ -44,7 +44,7 @@ def store_of(request: Request) -> ResponseCache:
     state = request.app.state
     store: ResponseCache | None = getattr(state, "responses", None)
     if store is None:
-        settings = state.pool.settings
+        settings = state.settings
         store = state.cache or ResponseCache(
             MemoryStore(settings.cache_max_bytes),
             settings.cache_ttl,

@@ -11,8 +11,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway import errors, routes, schemas, tgi
-from gateway.api.call import Call, pool_of
+from gateway.api.call import Call
 from gateway.api.http import read_body
+from gateway.api.state import pool_of, settings_of
 
 
 @routes.TGI_GENERATE.serves
@@ -32,7 +33,8 @@ async def compat_generate(request: Request) -> Response:
 
 async def _serve(request: Request, route: str, stream: bool | None) -> Response:
     pool = pool_of(request)
-    raw = schemas.decode_body(await read_body(request, pool.settings.max_body_bytes))
+    settings = settings_of(request)
+    raw = schemas.decode_body(await read_body(request, settings.max_body_bytes))
     body = schemas.validate(raw, tgi.GenerateRequest)
     tgi.check_supported(body.parameters)
     model = body.model
@@ -46,7 +48,7 @@ async def _serve(request: Request, route: str, stream: bool | None) -> Response:
     streaming = body.stream if stream is None else stream
     completion = tgi.to_completion(body, model, streaming)
     checked = schemas.validate(completion, schemas.CompletionRequest)
-    schemas.check_limits(checked, pool.settings)
+    schemas.check_limits(checked, settings)
     builder = tgi.TgiBuilder(model, body, completion.get("seed"), as_list=as_list)
     call = Call(request, "completion", route, completion, checked, builder)
     return await call.serve(lambda limit: body.inputs[:limit])

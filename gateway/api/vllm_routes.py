@@ -22,8 +22,10 @@ from fastapi.responses import Response, StreamingResponse
 
 from gateway import errors, schemas, sse
 from gateway.api import responses
-from gateway.api.call import JSON, Call, pool_of
+from gateway.api.call import Call
+from gateway.api.headers import JSON
 from gateway.api.http import read_body
+from gateway.api.state import pool_of, settings_of
 
 router = APIRouter(tags=["vLLM"])
 
@@ -55,8 +57,7 @@ def _poster(path: str) -> Callable[[Request], Awaitable[Response]]:
     """The endpoint that forwards a POST to ``path`` with its JSON body."""
 
     async def post(request: Request) -> Response:
-        pool = pool_of(request)
-        raw = schemas.decode_body(await read_body(request, pool.settings.max_body_bytes))
+        raw = schemas.decode_body(await read_body(request, settings_of(request).max_body_bytes))
         return await forward(request, path, raw)
 
     post.__name__ = "post_" + path.strip("/").replace("/", "_")
@@ -92,8 +93,7 @@ async def ping_post(request: Request) -> Response:
 
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
-    pool = pool_of(request)
-    raw = schemas.decode_body(await read_body(request, pool.settings.max_body_bytes))
+    raw = schemas.decode_body(await read_body(request, settings_of(request).max_body_bytes))
     store = responses.store_of(request)
     previous_id = raw.get("previous_response_id")
     previous = None

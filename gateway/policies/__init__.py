@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class RoutingContext:
-    model: str
     # Eligible workers (never empty), in a stable order.
     candidates: Sequence[WorkerState]
     # Affinity key: a session key, or the start of the prompt; None if the

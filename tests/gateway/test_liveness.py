@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
@@ -32,6 +33,21 @@ class Link(pool_tests.Link):
     def read_ready(self) -> None:
         if self.waiting:  # one message arrived per tick
             self.waiting.pop(0)()
+
+
+class NoEvents:
+    """WorkerEvents that do nothing: the monitor alone is under test."""
+
+    def worker_output(self, link: Any, message: Any) -> None:
+        pass
+
+    def worker_lost(
+        self, worker: WorkerState, reason: str, may_return: bool
+    ) -> tuple[list[str], int]:
+        return [], 0
+
+    def worker_up(self) -> None:
+        pass
 
 
 class Stop(Exception):
@@ -56,11 +72,7 @@ class Clock:
 @pytest.fixture
 def workers() -> Iterator[Workers]:
     pool = Workers(
-        GatewaySettings(heartbeat_interval=1.0, heartbeat_timeout=3.0),
-        "gw",
-        on_message=lambda link, message: None,
-        on_lost=lambda worker, reason, may_return: ([], 0),
-        on_up=lambda: None,
+        GatewaySettings(heartbeat_interval=1.0, heartbeat_timeout=3.0), "gw", events=NoEvents()
     )
     yield pool
     pool.ctx.term()
@@ -173,7 +185,7 @@ async def stalled_pool(
     pool = Pool(settings)
     state, beat = add_worker(pool, "a")
     stream = await pool.submit("stream", "completion", "m", {}, 0.0)
-    stream.streaming = True  # as gateway.api.call marks it once the stream starts
+    stream.mark_streaming()  # as gateway.api.attempts marks it once the stream starts
     waiting = await pool.submit("waiting", "completion", "m", {}, 0.0)
     if another_worker:
         other, other_beat = add_worker(pool, "b")
@@ -221,7 +233,7 @@ def test_a_stalled_worker_keeps_its_streams_and_they_carry_on(clock: Clock) -> N
         beat()  # it speaks again
         assert state.healthy and not state.stalled
         assert stalls("resumed") == resumed + 1
-        pool._on_message(state.link, pool_tests.delta("stream", " on", usage=True))
+        pool.worker_output(state.link, pool_tests.delta("stream", " on", usage=True))
         item = stream.next_nowait()
         assert isinstance(item, protocol.Delta) and item.text == " on"
         await tick(pool.workers, clock, [1.0])
@@ -307,7 +319,7 @@ def test_with_no_other_worker_a_stalled_workers_requests_all_wait_and_carry_on(
         await tick(pool.workers, clock, [1.0] * 20)
         beat()
         assert state.healthy and stalls("resumed") == resumed + 1
-        pool._on_message(state.link, pool_tests.delta("waiting", " done", usage=True))
+        pool.worker_output(state.link, pool_tests.delta("waiting", " done", usage=True))
         item = waiting.next_nowait()
         assert isinstance(item, protocol.Delta) and item.text == " done"
         assert aborted(state) == []

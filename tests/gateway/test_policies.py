@@ -24,7 +24,7 @@ def workers(n: int) -> list[WorkerState]:
 
 
 def ctx(candidates: list[WorkerState], key: str | None = None) -> RoutingContext:
-    return RoutingContext("m", candidates, key)
+    return RoutingContext(candidates, key)
 
 
 def test_load_is_own_in_flight_plus_other_gateways_requests() -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from gateway import errors, metrics
-from gateway.models import Models
+from gateway.models import Models, Tier
 from gateway.pool import Pool
 from gateway.workers import WorkerState
 from shared import config, protocol
@@ -52,7 +52,7 @@ def spilled() -> float:
 
 
 async def submit(pool: Pool, rid: str) -> Any:
-    return await pool.submit(rid, "completion", pool.names.resolve("m", {}, []), {}, 0.0)
+    return await pool.submit(rid, "completion", pool.resolve("m", {}, []), {}, 0.0)
 
 
 async def test_a_full_home_pool_spills_at_once_with_spill_after_zero() -> None:
@@ -60,17 +60,17 @@ async def test_a_full_home_pool_spills_at_once_with_spill_after_zero() -> None:
     before = spilled()
     first = await submit(pool, "a")
     second = await submit(pool, "b")
-    assert first.worker.pool == "home" and first.tier.model == "m"
+    assert first.answered_by.pool == "home" and first.answered_by.model == "m"
     # Sent to the substitute under the substitute's own served name.
-    assert second.worker.pool == "spare" and second.tier.model == "m2"
-    assert second.worker.link.sent[-1].model == "m2"
+    assert second.answered_by.pool == "spare" and second.answered_by.model == "m2"
+    assert pool.workers.by_address[second.answered_by.address].link.sent[-1].model == "m2"
     assert spilled() == before + 1
     # Both full: the third waits, and takes whichever slot frees first.
     third = asyncio.create_task(submit(pool, "c"))
     await asyncio.sleep(0)
-    assert not third.done() and pool.admission.pool(first.tier).queued == 1
+    assert not third.done() and pool.admission.pool(Tier("home", "m")).queued == 1
     second.close()
-    assert (await third).worker.pool == "spare"
+    assert (await third).answered_by.pool == "spare"
     first.close()
     pool.workers.ctx.term()
 
@@ -82,7 +82,7 @@ async def test_without_spill_after_a_request_waits_for_its_home_pool() -> None:
     await asyncio.sleep(0.05)
     assert not waiting.done()  # the spare's free slot is not for it
     first.close()
-    assert (await waiting).worker.pool == "home"
+    assert (await waiting).answered_by.pool == "home"
     pool.workers.ctx.term()
 
 
@@ -92,7 +92,7 @@ async def test_spill_after_lets_a_request_wait_that_long_first() -> None:
     # Its expected wait is unknown (no request has finished): it queues,
     # then takes the spare's slot once it has waited 0.2 s.
     second = await submit(pool, "b")
-    assert second.worker.pool == "spare"
+    assert second.answered_by.pool == "spare"
     first.close()
     second.close()
     pool.workers.ctx.term()
@@ -105,7 +105,7 @@ async def test_a_queued_request_keeps_its_place_over_a_newcomer() -> None:
     await asyncio.sleep(0)
     first.close()
     newcomer = asyncio.create_task(submit(pool, "c"))
-    assert (await queued).worker.pool == "home"
+    assert (await queued).answered_by.pool == "home"
     await asyncio.sleep(0.05)
     assert not newcomer.done()
     newcomer.cancel()
@@ -115,13 +115,13 @@ async def test_a_queued_request_keeps_its_place_over_a_newcomer() -> None:
 async def test_no_pool_the_config_does_not_declare_as_substitute_takes_a_request() -> None:
     pool = await make_pool("0")
     # `other` has free slots but is no substitute for m; the spare is busy.
-    spare_user = await pool.submit("s", "completion", pool.names.resolve("m2", {}, []), {}, 0.0)
+    spare_user = await pool.submit("s", "completion", pool.resolve("m2", {}, []), {}, 0.0)
     first = await submit(pool, "a")
     waiting = asyncio.create_task(submit(pool, "b"))
     await asyncio.sleep(0.05)
     assert not waiting.done()
     spare_user.close()
-    assert (await waiting).worker.pool == "spare"
+    assert (await waiting).answered_by.pool == "spare"
     first.close()
     pool.workers.ctx.term()
 
@@ -129,7 +129,7 @@ async def test_no_pool_the_config_does_not_declare_as_substitute_takes_a_request
 async def test_an_unknown_model_is_a_404_even_with_pools() -> None:
     pool = await make_pool("0")
     with pytest.raises(errors.ModelNotFound):
-        await pool.submit("x", "completion", pool.names.resolve("nope", {}, []), {}, 0.0)
+        await pool.submit("x", "completion", pool.resolve("nope", {}, []), {}, 0.0)
     pool.workers.ctx.term()
 
 
@@ -158,25 +158,25 @@ async def test_a_declared_model_whose_pool_is_starting_is_a_503_not_a_404() -> N
     pool = starting_pool()
     for name in ("later", "soon", "auto"):
         with pytest.raises(errors.ModelNotReady) as refused:
-            await pool.submit("x", "completion", pool.names.resolve(name, {}, []), {}, 0.0)
+            await pool.submit("x", "completion", pool.resolve(name, {}, []), {}, 0.0)
         assert refused.value.status == 503 and refused.value.param == "model"
         assert refused.value.headers() == {"Retry-After": str(errors.NO_WORKER_RETRY_AFTER)}
         assert "`later` is not ready: it is starting" in refused.value.message
     # auto's rule for the pool that is up runs; a name nobody declared is a 404.
-    target = pool.names.resolve("auto", {}, [(b"x-tier", b"up")])
+    target = pool.resolve("auto", {}, [(b"x-tier", b"up")])
     handle = await pool.submit("y", "completion", target, {}, 0.0)
-    assert handle.worker.pool == "up"
+    assert handle.answered_by.pool == "up"
     handle.close()
     with pytest.raises(errors.ModelNotFound):
-        await pool.submit("z", "completion", pool.names.resolve("nope", {}, []), {}, 0.0)
+        await pool.submit("z", "completion", pool.resolve("nope", {}, []), {}, 0.0)
     pool.workers.ctx.term()
 
 
 async def test_a_declared_model_is_served_once_its_worker_comes_up() -> None:
     pool = starting_pool()
     worker(pool, "starting", "later", capacity=1)
-    handle = await pool.submit("x", "completion", pool.names.resolve("soon", {}, []), {}, 0.0)
-    assert handle.worker.pool == "starting" and handle.tier.model == "later"
+    handle = await pool.submit("x", "completion", pool.resolve("soon", {}, []), {}, 0.0)
+    assert handle.answered_by.pool == "starting" and handle.answered_by.model == "later"
     handle.close()
     pool.workers.ctx.term()
 
@@ -186,7 +186,7 @@ async def test_a_declared_model_whose_workers_died_is_a_503_that_says_so() -> No
     later = worker(pool, "starting", "later", capacity=1)
     pool.workers.lose(later, "its connection dropped")
     with pytest.raises(errors.ModelNotReady) as refused:
-        await pool.submit("x", "completion", pool.names.resolve("soon", {}, []), {}, 0.0)
+        await pool.submit("x", "completion", pool.resolve("soon", {}, []), {}, 0.0)
     assert "no worker serves it now" in refused.value.message
     pool.workers.ctx.term()
 
@@ -207,9 +207,9 @@ async def test_with_no_worker_up_at_all_a_request_gets_a_503_with_retry_after() 
     pool = Pool(GatewaySettings(startup_timeout=0.01), models=Models(config.parse(STARTING)))
     # A declared name says it is starting; any other name cannot be judged yet.
     with pytest.raises(errors.ModelNotReady) as declared:
-        await pool.submit("x", "completion", pool.names.resolve("soon", {}, []), {}, 0.0)
+        await pool.submit("x", "completion", pool.resolve("soon", {}, []), {}, 0.0)
     with pytest.raises(errors.NoWorker) as undeclared:
-        await pool.submit("y", "completion", pool.names.resolve("nope", {}, []), {}, 0.0)
+        await pool.submit("y", "completion", pool.resolve("nope", {}, []), {}, 0.0)
     assert type(undeclared.value) is errors.NoWorker
     for refused in (declared, undeclared):
         assert refused.value.headers() == {"Retry-After": str(errors.NO_WORKER_RETRY_AFTER)}
@@ -225,11 +225,11 @@ async def test_requests_queued_for_a_pool_start_when_its_worker_comes_up() -> No
     # A second worker of the home pool comes up with room for one: the first
     # in line gets it, the other keeps waiting.
     late = worker(pool, "home2", "m", capacity=1, in_pool="home")
-    assert (await queued[0]).worker is late
+    assert (await queued[0]).answered_by.address == late.address
     await asyncio.sleep(0.05)
     assert not queued[1].done()
     first.close()
-    assert (await queued[1]).worker is home
+    assert (await queued[1]).answered_by.address == home.address
     pool.workers.ctx.term()
 
 
@@ -248,7 +248,7 @@ pools:
         pool.workers.by_address[address] = state
         pool.workers.on_heartbeat(state, protocol.Heartbeat("w", "i", ["m"], capacity=1))
     handle = await submit(pool, "a")
-    assert (handle.worker.address, handle.tier.pool) == ("tcp://10.0.0.1:5550", "gpu")
+    assert (handle.answered_by.address, handle.answered_by.pool) == ("tcp://10.0.0.1:5550", "gpu")
     assert pool.workers.by_address["tcp://10.0.0.2:5550"].pool == "cpu"
     handle.close()
     pool.workers.ctx.term()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+from typing import Any
 
 import pytest
 import zmq
@@ -151,18 +152,21 @@ def test_requests_failed_when_the_link_dropped_are_aborted_once_it_connects_agai
         lost: list[str] = []
         up, down = asyncio.Event(), asyncio.Event()
 
-        def on_lost(worker: WorkerState, reason: str, may_return: bool) -> tuple[list[str], int]:
-            lost.append(reason)
-            down.set()
-            return sorted(worker.requests), 0
+        class Events:
+            def worker_output(self, _link: Any, _message: Any) -> None:
+                pass
 
-        workers = Workers(
-            GatewaySettings(),
-            "gw-test",
-            on_message=lambda _link, _message: None,
-            on_lost=on_lost,
-            on_up=up.set,
-        )
+            def worker_lost(
+                self, worker: WorkerState, reason: str, may_return: bool
+            ) -> tuple[list[str], int]:
+                lost.append(reason)
+                down.set()
+                return sorted(worker.requests), 0
+
+            def worker_up(self) -> None:
+                up.set()
+
+        workers = Workers(GatewaySettings(), "gw-test", events=Events())
         router = ctx.socket(zmq.ROUTER)
         router.bind(address)
         workers.sync({address})

@@ -1,0 +1,207 @@
+"""A request's attempts on workers: submission, the retry policy, collection.
+
+:class:`Attempts` sends a request to a worker through the pool and reads
+what comes back. An attempt that fails before anything reached the client
+is retried on another worker, up to ``--max-retries`` times, when the
+worker was lost or refused it with 503 (draining, or it dropped the request
+because this gateway went silent: then any worker may take it again, that
+one included). :class:`Retries` is what the failed attempts so far allow.
+Any other failure is the client's answer at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from gateway import errors, metrics, sse
+from gateway.handle import Answerer, RequestHandle, WorkerLost
+from gateway.models import Target
+from gateway.pool import Pool
+from gateway.tracing import RequestSpan
+from shared import protocol
+
+# A request's lines keep the logger they were always written under, wherever
+# the code that writes them lives: operators (and tests) look for them there.
+log = logging.getLogger("gateway.api.call")
+
+Failure = WorkerLost | protocol.Failed
+
+
+def retryable(failure: Failure) -> bool:
+    """Whether another attempt may succeed: the worker was lost, or refused with 503."""
+    return isinstance(failure, WorkerLost) or failure.status == 503
+
+
+def _reason(failure: Failure) -> str:
+    """The retries metric's label: what the worker said of its 503 (known
+    causes only: a label value must not come from the wire unchecked)."""
+    if isinstance(failure, WorkerLost):
+        return "worker_lost"
+    if failure.cause in (protocol.WORKER_DRAINING, protocol.GATEWAY_SILENT):
+        return failure.cause
+    return "worker_refused"
+
+
+@dataclass(frozen=True, slots=True)
+class Retries:
+    """What one run's failed attempts allow: a value, replaced after each failure."""
+
+    # --max-retries: failed attempts retried at most.
+    limit: int
+    failures: int = 0
+    # Addresses of the workers not to try again.
+    tried: frozenset[str] = frozenset()
+    # Why the last attempt failed: a 503 says it if no worker is left.
+    last_failure: str = ""
+
+    def after(self, failure: Failure, worker: str) -> Retries:
+        """The state once a retryable ``failure`` ended an attempt on ``worker``;
+        raises ``errors.UpstreamFailed`` past the limit."""
+        message = failure.reason if isinstance(failure, WorkerLost) else failure.message
+        failures = self.failures + 1
+        if failures > self.limit:
+            raise errors.UpstreamFailed(f"The request failed {failures} times; last: {message}.")
+        # A worker that dropped the request because this gateway went quiet
+        # (paused or starved) did so for no fault of its own: it may run it again.
+        silent = _reason(failure) == protocol.GATEWAY_SILENT
+        tried = self.tried if silent else self.tried | {worker}
+        return Retries(self.limit, failures, tried, message)
+
+    def no_worker(self, refused: errors.NoWorker) -> errors.NoWorker:
+        """The 503 when no worker is left: naming why the last one failed, if one did."""
+        if self.tried and self.last_failure:
+            return errors.NoWorker(
+                f"{refused.message} The worker that had it: {self.last_failure}."
+            )
+        return refused
+
+
+@dataclass(slots=True)
+class Attempts:
+    """One request's attempts: each sent through the pool, its output into ``builder``
+    (and into ``recorded``, while the response cache may keep the answer)."""
+
+    pool: Pool
+    request_id: str
+    kind: protocol.RequestKind
+    deadline: float
+    # The routing key (prefix policy), or None.
+    key: str | None
+    builder: sse.ResponseBuilder
+    span: RequestSpan
+    max_retries: int
+    recorded: list[protocol.Delta] | None = None
+    # A batch job's line (gateway.batch.runner): after interactive requests.
+    low_priority: bool = False
+
+    @property
+    def log_extra(self) -> dict[str, str]:
+        return {"request_id": self.request_id}
+
+    async def run(self, target: Target, raw: dict[str, Any]) -> tuple[Answerer, protocol.Usage]:
+        """Run the request on ``target`` to its end, retrying while it may; who
+        answered, and the usage. Its output is in the builder."""
+        retries = Retries(self.max_retries)
+        while True:
+            handle = await self._submit(target, raw, retries)
+            try:
+                outcome = await self._collect(handle)
+            finally:
+                handle.close()
+            if isinstance(outcome, protocol.Usage):
+                return handle.answered_by, outcome
+            retries = self._retry(retries, handle, outcome)
+            self.forget_output()
+
+    async def start(
+        self, target: Target, raw: dict[str, Any]
+    ) -> tuple[RequestHandle, protocol.Delta]:
+        """Run the request on ``target`` until its first delta, retrying while it
+        may; its handle, from then on a stream's (it is no longer retried), and
+        that delta. The caller closes the handle."""
+        retries = Retries(self.max_retries)
+        while True:
+            handle = await self._submit(target, raw, retries)
+            first: protocol.Delta | Failure | None = None
+            try:
+                first = await handle.next()
+                if isinstance(first, protocol.Delta):
+                    handle.mark_streaming()
+                    return handle, first
+                retries = self._retry(retries, handle, first)
+            finally:
+                if not isinstance(first, protocol.Delta):
+                    handle.close()
+
+    def forget_output(self) -> None:
+        """The request runs again from scratch (a retry, an escalation)."""
+        self.builder.reset()
+        if self.recorded is not None:
+            self.recorded.clear()
+
+    async def _submit(self, target: Target, raw: dict[str, Any], retries: Retries) -> RequestHandle:
+        span = self.span
+        try:
+            handle = await self.pool.submit(
+                self.request_id,
+                self.kind,
+                target,
+                raw,
+                self.deadline,
+                self.key,
+                exclude=retries.tried,
+                trace=span.headers(),
+                on_queued=(lambda: span.event("queued")) if span.on else None,
+                low_priority=self.low_priority,
+            )
+        except errors.NoWorker as exc:
+            refused = retries.no_worker(exc)
+            if refused is exc:
+                raise
+            raise refused from exc
+        answered_by = handle.answered_by
+        if span.on:
+            span.event("routed", worker=answered_by.address)
+        self.builder.system_fingerprint = answered_by.system_fingerprint
+        self.builder.chat_parser = answered_by.chat_parser
+        return handle
+
+    def _retry(self, retries: Retries, handle: RequestHandle, failure: Failure) -> Retries:
+        """The retry state after a failed attempt; raises if it cannot be retried."""
+        if not retryable(failure):
+            assert isinstance(failure, protocol.Failed)
+            log.info(
+                "the worker failed the request: %d %s",
+                failure.status,
+                failure.message,
+                extra=self.log_extra,
+            )
+            raise errors.from_status(failure.status, failure.message, failure.param)
+        worker = handle.answered_by.address
+        retries = retries.after(failure, worker)
+        reason = _reason(failure)
+        where = "on any worker" if reason == protocol.GATEWAY_SILENT else "on another worker"
+        metrics.RETRIES.labels(reason).inc()
+        log.info("retrying %s: %s on %s", where, retries.last_failure, worker, extra=self.log_extra)
+        if self.span.on:
+            self.span.event("retry", reason=retries.last_failure, worker=worker)
+        return retries
+
+    async def _collect(self, handle: RequestHandle) -> protocol.Usage | Failure:
+        """Read the attempt to its end, its output into the builder: the usage, or the failure."""
+        builder, recorded = self.builder, self.recorded
+        first = True
+        async for item in handle:
+            if not isinstance(item, protocol.Delta):
+                return item
+            if first:
+                self.span.event("first_token")
+                first = False
+            if item.usage is not None:
+                return item.usage
+            builder.add(item)
+            if recorded is not None:
+                recorded.append(item)
+        raise AssertionError("a handle's items end with its last one, which returns above")

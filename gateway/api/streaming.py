@@ -1,0 +1,108 @@
+"""A stream's body: the worker's deltas out as server-sent events, until the last one.
+
+:func:`relay` runs inside the response, once the first delta is in (so the
+request can no longer be retried). A client that goes away cancels it (or
+closes it) there, and its ``finally`` clause lets go of the request: the
+handle closes, aborting it on the worker, and the request is counted. A
+worker that fails or is lost from then on ends the stream with an error
+event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from gateway import errors, metrics, sse
+from gateway.api.accounting import Accounting
+from gateway.handle import Item, RequestHandle, WorkerLost
+from shared import protocol
+
+# A request's lines keep the logger they were always written under (see
+# gateway.api.attempts).
+log = logging.getLogger("gateway.api.call")
+
+
+async def relay(
+    handle: RequestHandle,
+    first: protocol.Delta,
+    builder: sse.ResponseBuilder,
+    account: Accounting,
+    recorded: list[protocol.Delta] | None,
+    store: Callable[[protocol.Usage], Awaitable[None]],
+    log_extra: dict[str, str],
+) -> AsyncIterator[bytes]:
+    """The events of ``handle``'s output from ``first`` on, through ``builder``.
+
+    ``recorded`` keeps the deltas while the response cache may store the
+    answer; ``store(usage)`` stores it once it finished normally.
+    """
+    include_usage = builder.include_usage
+    item: Item = first
+    last_chunk = 0.0
+    status = 200
+    usage = None
+    itl = metrics.child(metrics.ITL, account.model)
+    try:
+        while True:
+            if isinstance(item, protocol.Failed):
+                status = item.status
+                # A stream under way ends early: worth a line, whatever the status.
+                log.warning(
+                    "stream ended by its worker: %d %s", item.status, item.message, extra=log_extra
+                )
+                yield builder.error_event(errors.from_status(item.status, item.message, item.param))
+                break
+            if isinstance(item, WorkerLost):
+                status = 502
+                log.warning("stream cut: %s", item.reason, extra=log_extra)
+                yield builder.error_event(
+                    errors.UpstreamFailed(f"The stream was cut: {item.reason}.")
+                )
+                break
+            if item.usage is not None:
+                usage = item.usage
+                if include_usage:
+                    yield builder.usage_chunk(item.usage)
+                # Stored before the stream ends, so a client that reads
+                # to [DONE] can count on the next request hitting.
+                await store(usage)
+                break
+            now = time.monotonic()
+            if last_chunk:
+                itl.observe(now - last_chunk)
+            else:
+                account.first_chunk(now)
+            last_chunk = now
+            # Deltas that queued up meanwhile go out in the same write: one
+            # transport write per batch, not per token, under load.
+            chunks = [builder.chunk(item)]
+            if recorded is not None:
+                recorded.append(item)
+            waiting = handle.next_nowait()
+            while isinstance(waiting, protocol.Delta) and waiting.usage is None:
+                chunks.append(builder.chunk(waiting))
+                if recorded is not None:
+                    recorded.append(waiting)
+                waiting = handle.next_nowait()
+            yield chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            try:
+                item = await handle.next() if waiting is None else waiting
+            except errors.GatewayError as exc:
+                status = exc.status
+                log.warning("stream ended: %s", exc, extra=log_extra)
+                yield builder.error_event(exc)
+                break
+        if builder.done:
+            yield builder.done
+    except (asyncio.CancelledError, GeneratorExit):
+        status = 499
+        raise
+    except BaseException:
+        status = 500
+        raise
+    finally:
+        handle.close()
+        account.finish(status, usage)

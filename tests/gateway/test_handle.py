@@ -1,0 +1,120 @@
+"""gateway/handle.py: a request's items in order, its deadline, who answered, close once."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+
+from gateway import errors
+from gateway.handle import Answerer, Delivery, RequestHandle, WorkerLost
+from gateway.models import Models
+from gateway.pool import Pool
+from shared import config, protocol
+from shared.settings import GatewaySettings
+from tests.gateway.test_tiers import worker
+
+WHO = Answerer("tcp://a:5550", "run-1", "m", "home", "fp", chat_parser=False)
+
+
+def delta(text: str, usage: bool = False) -> protocol.Delta:
+    return protocol.Delta("r", 0, text, 1, usage=protocol.Usage(1, 1) if usage else None)
+
+
+def opened(deadline: float = 0.0) -> tuple[RequestHandle, Delivery, list[str]]:
+    released: list[str] = []
+    handle, delivery = RequestHandle.open("r", WHO, deadline, lambda: released.append("r"))
+    return handle, delivery, released
+
+
+async def test_async_for_yields_the_items_in_order_and_ends_with_the_last_one() -> None:
+    handle, delivery, _ = opened()
+    for item in (delta("a"), delta("b"), delta("", usage=True), delta("late")):
+        delivery.deliver(item)
+    texts = [item.text async for item in handle if isinstance(item, protocol.Delta)]
+    assert texts == ["a", "b", ""]  # the delta with usage is the last one read
+    handle.close()
+
+
+@pytest.mark.parametrize(
+    "last", [protocol.Failed("r", 503, "draining"), WorkerLost("its connection dropped")]
+)
+async def test_a_failure_is_the_last_item(last: protocol.Failed | WorkerLost) -> None:
+    handle, delivery, _ = opened()
+    delivery.deliver(delta("a"))
+    delivery.deliver(last)
+    assert [item async for item in handle] == [delta("a"), last]
+    handle.close()
+
+
+async def test_finished_is_known_when_the_last_item_arrives_not_when_it_is_read() -> None:
+    handle, delivery, _ = opened()
+    delivery.deliver(delta("a"))
+    assert not handle.finished and not delivery.finished
+    delivery.deliver(delta("", usage=True))
+    assert handle.finished and delivery.finished
+    handle.close()
+
+
+async def test_next_nowait_takes_only_what_is_already_here() -> None:
+    handle, delivery, _ = opened()
+    assert handle.next_nowait() is None
+    delivery.deliver(delta("a"))
+    assert handle.next_nowait() == delta("a")
+    assert handle.next_nowait() is None
+    handle.close()
+
+
+async def test_the_deadline_ends_the_wait_with_a_timeout() -> None:
+    handle, delivery, _ = opened(deadline=time.time() + 0.05)
+    delivery.deliver(delta("a"))
+    assert await handle.next() == delta("a")
+    await asyncio.sleep(0.1)
+    assert handle.next_nowait() is None  # the deadline is no item
+    with pytest.raises(errors.Timeout):
+        await handle.next()
+    handle.close()
+
+
+async def test_close_releases_the_request_once_however_often_it_is_called() -> None:
+    handle, _, released = opened(deadline=time.time() + 60)
+    handle.close()
+    handle.close()
+    assert released == ["r"]
+
+
+async def test_a_stream_under_way_is_marked_for_the_pool() -> None:
+    handle, delivery, _ = opened()
+    assert not delivery.streaming
+    handle.mark_streaming()
+    assert delivery.streaming
+    handle.close()
+
+
+def test_the_record_of_who_answered_is_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        WHO.address = "tcp://b:5550"  # type: ignore[misc]
+
+
+SPILL = """\
+pools:
+  - {name: home, served_model_name: m, spill_after: 0}
+  - {name: spare, served_model_name: m2, tier: 2, substitute_for: [m]}
+"""
+
+
+async def test_the_pool_names_the_worker_its_run_and_the_substitute_that_answered() -> None:
+    pool = Pool(GatewaySettings(), models=Models(config.parse(SPILL)))
+    worker(pool, "home", "m", capacity=1)
+    spare = worker(pool, "spare", "m2", capacity=1)
+    spare.system_fingerprint = "fp-spare"
+    target = pool.resolve("m", {}, [])
+    first = await pool.submit("a", "completion", target, {}, 0.0)
+    second = await pool.submit("b", "completion", target, {}, 0.0)  # home is full: spills
+    assert first.answered_by == Answerer("tcp://home:5550", "i", "m", "home", None, False)
+    assert second.answered_by == Answerer("tcp://spare:5550", "i", "m2", "spare", "fp-spare", False)
+    first.close()
+    second.close()
+    pool.workers.ctx.term()
