@@ -23,7 +23,7 @@ import psutil
 # engine's compute runs in a process it spawns with a bare command line).
 KINDS = (
     ("vLLM engine", ("EngineCore", "VLLM::Worker")),
-    ("llmgate worker", ("worker.main", "worker.fake_engine")),
+    ("llmgate worker", ("worker.main", "loadtest.fake_engine")),
     ("llmgate gateway", ("gateway.main",)),
     ("llmgate launcher", ("-m serve", "llmgate serve")),
     ("vLLM API server", ("vllm.entrypoints", "APIServer")),

@@ -4,7 +4,7 @@ Zero-cost backends take the model out of the picture, so what is measured
 is the proxy's own cost (vllm-router's method):
 
 * ``direct``: wrk -> ``loadtest.zero_cost_http`` (raw ASGI; the baseline);
-* ``llmgate``: wrk -> ``llmgate gateway`` -> ZeroMQ -> ``worker.fake_engine``
+* ``llmgate``: wrk -> ``llmgate gateway`` -> ZeroMQ -> ``loadtest.fake_engine``
   (the real worker loop around a FAKE engine that answers at once);
 * ``vllm-router``: wrk -> vllm-router (PyPI ``vllm-router``, from its own
   virtualenv ``.venv-router``) -> ``loadtest.zero_cost_http``;
@@ -75,10 +75,10 @@ from typing import Any
 import httpx
 import psutil
 
+from loadtest.fake_engine import TOKEN_TEXT
 from loadtest.procs import await_ready, healthy_workers, launched
 from shared.ports import free_port
 from shared.settings import DEFAULT_MODEL_NAME
-from worker.fake_engine import TOKEN_TEXT
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_ROOT = ROOT / "loadtest" / "results"
@@ -747,7 +747,7 @@ def start_llmgate(
         worker_address = f"tcp://127.0.0.1:{free_port()}"
     suffix = name.removeprefix("llmgate")  # "" or "-ipc": names its logs
     log = out_dir / f"fake-worker{suffix}.log"
-    argv = pinned(plan.backend, [py, "-m", "worker.fake_engine", "--bind", worker_address])
+    argv = pinned(plan.backend, [py, "-m", "loadtest.fake_engine", "--bind", worker_address])
     worker = stack.enter_context(launched(f"fake-worker{suffix}", argv, log, env, ROOT))
     port = free_port()
     log = out_dir / f"gateway{suffix}.log"

@@ -1,6 +1,6 @@
 """``make bench-scaling``: does one gateway keep up with 1, 2, 4, 8 workers?
 
-The workers are FAKE engines (``worker.fake_engine``, a benchmark double:
+The workers are FAKE engines (``loadtest.fake_engine``, a benchmark double:
 the real worker loop, no model) that emit one token per step at a fixed
 rate, so what one worker can deliver is known and the only thing between N
 workers and the client is the gateway. Two tables:
@@ -108,7 +108,7 @@ def start_layout(
     for i in range(layout.workers):
         address = f"tcp://127.0.0.1:{free_port()}"
         argv = [
-            *(py, "-m", "worker.fake_engine", "--bind", address, "--worker-id", f"fake-{i}"),
+            *(py, "-m", "loadtest.fake_engine", "--bind", address, "--worker-id", f"fake-{i}"),
             *("--token-interval-ms", str(layout.token_interval_ms), "--tokens", str(tokens)),
             *("--capacity", str(max(layout.connections // layout.workers, 1))),
         ]

@@ -1,6 +1,6 @@
 """A zero-cost OpenAI HTTP backend: raw ASGI on uvicorn, no model, no framework.
 
-The HTTP twin of ``worker.fake_engine``: it answers ``/v1/completions`` and
+The HTTP twin of ``loadtest.fake_engine``: it answers ``/v1/completions`` and
 ``/v1/chat/completions`` with ``" fake"`` tokens (``--tokens`` per request,
 or the request's ``max_tokens``; one SSE chunk per token when streaming, on
 the same schedule as the fake engine), and ``/v1/models`` and ``/health``
@@ -24,8 +24,8 @@ from typing import Any
 
 import msgspec
 
+from loadtest.fake_engine import TOKEN_TEXT, requested_tokens, rough_prompt_tokens
 from shared.settings import DEFAULT_MODEL_NAME
-from worker.fake_engine import TOKEN_TEXT, requested_tokens, rough_prompt_tokens
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

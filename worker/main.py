@@ -120,7 +120,8 @@ def _main(argv: list[str] | None) -> None:
         namespace.enable_lora = True  # as `vllm serve` needs it for --lora-modules
     _check_serve_args(namespace)
 
-    from worker.engine import Engine, Limits
+    from worker.engine import Engine
+    from worker.prepare import Limits
     from worker.server import WorkerServer
 
     limits = Limits(worker_settings.max_input_tokens, worker_settings.max_total_tokens)

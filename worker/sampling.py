@@ -4,7 +4,8 @@ The gateway forwards the OpenAI body it validated. Here vLLM's pydantic
 ``CompletionRequest`` / ``ChatCompletionRequest`` parse it and produce the
 ``SamplingParams``, with the same defaults (the model's generation config)
 and the same ``max_tokens`` rules as ``vllm serve``. Any error becomes a
-:class:`RequestError` with the HTTP status and the parameter at fault.
+:class:`worker.errors.RequestError` with the HTTP status and the parameter
+at fault.
 """
 
 from __future__ import annotations
@@ -12,16 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from shared import protocol
-
-
-class RequestError(Exception):
-    """A request the engine cannot run; ``status`` is the HTTP status to report."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
+from worker.errors import RequestError
 
 
 def parse_request(kind: protocol.RequestKind, params: dict[str, Any]) -> Any:

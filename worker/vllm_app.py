@@ -22,7 +22,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from worker.sampling import RequestError
+from worker.errors import RequestError
 
 log = logging.getLogger(__name__)
 

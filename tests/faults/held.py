@@ -1,4 +1,4 @@
-"""The fault tests' controllable double: ``worker.fake_engine`` with a gate.
+"""The fault tests' controllable double: ``loadtest.fake_engine`` with a gate.
 
 A held worker (``--hold-after N``) sends each request's first ``N`` tokens,
 then holds it until the test says ``release``: the request is still under
@@ -66,7 +66,7 @@ def held_worker(log_path: Path, *flags: str, name: str = "held-0") -> Iterator[H
     address = f"tcp://127.0.0.1:{free_port()}"
     control = f"tcp://127.0.0.1:{free_port()}"
     argv = [
-        *(sys.executable, "-m", "worker.fake_engine", "--bind", address, "--worker-id", name),
+        *(sys.executable, "-m", "loadtest.fake_engine", "--bind", address, "--worker-id", name),
         *("--served-model-name", MODEL, "--hold-after", str(HOLD_AFTER), "--control", control),
         *("--log-level", "info", *flags),
     ]

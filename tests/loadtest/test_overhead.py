@@ -2,7 +2,7 @@
 
 ``loadtest.overhead``'s arithmetic (pinning, wrk's script and output,
 added latency, min/median/max, the issue's targets, profiles) is tested on
-made-up figures. The FAKE engine (``worker.fake_engine``) and the zero-cost
+made-up figures. The FAKE engine (``loadtest.fake_engine``) and the zero-cost
 HTTP backend (``loadtest.zero_cost_http``) are checked to answer exactly the
 tokens they promise, and the fake worker to answer through a real gateway.
 The measuring itself is a run of ``python -m loadtest.overhead``, not a test.
@@ -25,11 +25,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest import overhead
+from loadtest.fake_engine import TOKEN_TEXT, FakeEngine
 from loadtest.overhead import CorePlan, Run, Scenario, Spread
 from loadtest.zero_cost_http import ZeroCostApp
 from shared import protocol
 from tests.conftest import ROOT, Served, free_port, start_gateway, stop_serve
-from worker.fake_engine import TOKEN_TEXT, FakeEngine
 
 MODEL = "smollm2-135m-instruct"
 
@@ -375,7 +375,7 @@ def fake_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     log_dir = tmp_path_factory.mktemp("fake-worker")
     with (log_dir / "worker.log").open("wb") as log:
         worker = subprocess.Popen(
-            [sys.executable, "-m", "worker.fake_engine", "--bind", address],
+            [sys.executable, "-m", "loadtest.fake_engine", "--bind", address],
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from worker import sampling
+from worker.errors import RequestError
 
 MAX_MODEL_LEN = 8192
 
@@ -89,13 +90,13 @@ def test_streaming_asks_for_deltas_and_non_streaming_for_the_final_output() -> N
 
 
 def test_a_prompt_that_fills_the_context_is_refused() -> None:
-    with pytest.raises(sampling.RequestError) as info:
+    with pytest.raises(RequestError) as info:
         params("completion", prompt_tokens=MAX_MODEL_LEN + 1)
     assert info.value.status == 400 and str(MAX_MODEL_LEN) in info.value.message
 
 
 def test_greedy_with_several_choices_is_refused_as_vllm_does() -> None:
-    with pytest.raises(sampling.RequestError) as info:
+    with pytest.raises(RequestError) as info:
         params("completion", n=2, temperature=0)
     assert info.value.status == 400
 
@@ -108,6 +109,6 @@ def test_greedy_with_several_choices_is_refused_as_vllm_does() -> None:
     ],
 )
 def test_type_errors_are_400_naming_the_field(body: dict[str, Any], param: str) -> None:
-    with pytest.raises(sampling.RequestError) as info:
+    with pytest.raises(RequestError) as info:
         params("completion", **body)
     assert info.value.status == 400 and info.value.param == param

@@ -1,7 +1,8 @@
-"""Prompted keys back to plain keys, in the text the client receives.
+"""``x-key-prompt``: a key carries its instruction while the model writes, and loses it after.
 
-With key prompting the model writes ``"birth_date (YYYY-MM-DD)": ...``, so
-the instruction sits right before the tokens it governs; the client must see
+With key prompting the schema's key ``birth_date`` becomes
+``birth_date (YYYY-MM-DD)`` (:func:`prompted_key`), so the model writes the
+instruction right before the tokens it governs; the client must see
 ``"birth_date": ...``. The text arrives in deltas, and a prompted key can be
 split across them, so :class:`KeyRewriter` holds back any tail that could
 still grow into a prompted key until it either completes (and is replaced)
@@ -13,6 +14,57 @@ alone.
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+from worker.errors import RequestError
+
+
+def prompted_key(name: str, sub: Any, prompt_all: bool, path: str) -> str:
+    """``name``, or ``name (instruction)`` when the schema asks for a key prompt."""
+    if not isinstance(sub, dict):
+        return name
+    mark = sub.get("x-key-prompt")
+    if isinstance(mark, str):
+        text = mark
+    elif mark is True or (prompt_all and mark is not False):
+        text = sub.get("description") or ""
+        if not isinstance(text, str):
+            return name
+    else:
+        return name
+    text = " ".join(text.split())
+    if not text:
+        if mark is True and "properties" not in sub:
+            raise RequestError(
+                400, f"x-key-prompt on property '{path}': it has no description to use", path
+            )
+        return name
+    if any(char in text for char in '"\\') or any(ord(char) < 0x20 for char in text):
+        raise RequestError(
+            400,
+            f"x-key-prompt on property '{path}': the prompt may not contain quotes, "
+            "backslashes or control characters",
+            path,
+        )
+    return f"{name} ({text})"
+
+
+def without_key_prompt(sub: Any) -> Any:
+    """A property's schema minus its own key-prompt mark (it applied to its key)."""
+    if isinstance(sub, dict) and isinstance(sub.get("x-key-prompt"), str | bool):
+        if "properties" not in sub:
+            return {k: v for k, v in sub.items() if k != "x-key-prompt"}
+    return sub
+
+
+def refuse_logprobs(kind: str, params: dict[str, Any]) -> None:
+    """Key prompting rewrites text, so token logprobs would no longer match it."""
+    wants = params.get("logprobs") if kind == "chat" else params.get("logprobs") is not None
+    if wants or params.get("top_logprobs"):
+        raise RequestError(
+            400, "logprobs cannot be combined with x-key-prompt (keys are rewritten)", "logprobs"
+        )
 
 
 class KeyRewriter:

@@ -1,6 +1,6 @@
-"""A zero-cost FAKE engine: a benchmark double for the gateway's own cost. Not a model.
+"""A zero-cost FAKE engine: a benchmark and fault-injection double. Not a model.
 
-``python -m worker.fake_engine`` runs the real worker loop
+``python -m loadtest.fake_engine`` runs the real worker loop
 (:class:`worker.server.WorkerServer`: the same ROUTER socket, outbox and
 heartbeats as ``llmgate worker``) around :class:`FakeEngine`, which answers
 every request with ``" fake"`` tokens instead of running a model. What a
@@ -38,7 +38,8 @@ from typing import Any
 
 from shared import protocol, settings
 from shared.logs import setup_logging
-from worker.engine import Engine, PreparedPrompt
+from worker.engine import Engine
+from worker.prepare import PreparedPrompt
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,8 @@ class FakeEngine(Engine):
         max_model_len: int = 4096,
         gate: Gate | None = None,
     ) -> None:
-        # Engine.__init__ builds an AsyncLLM: deliberately not called.
+        # Engine.__init__ builds an AsyncLLM: deliberately not called. Nor is
+        # start(): a request for vLLM's own server gets the Engine's 503.
         self.served_model_names = served_model_names
         self.tokens = tokens
         self.token_interval = token_interval
@@ -116,7 +118,6 @@ class FakeEngine(Engine):
         self.max_model_len = max_model_len
         self.scheduling_policy = "fcfs"
         self.running = 0
-        self.vllm_app = None
         self.chat_parser = False
         self.reasoning_parser = False
 
@@ -195,7 +196,7 @@ def rough_prompt_tokens(kind: protocol.RequestKind, params: dict[str, Any]) -> i
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m worker.fake_engine",
+        prog="python -m loadtest.fake_engine",
         description="A zero-cost fake worker (benchmark double): the worker loop, no model.",
     )
     settings.add_arguments(parser, settings.WorkerSettings)
