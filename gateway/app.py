@@ -116,17 +116,21 @@ async def _gateway_error(request: Request, exc: Exception) -> Response:
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
-    """Starlette's own errors (unknown route, wrong method) in OpenAI's shape."""
+    """Starlette's own errors (unknown route, wrong method) in the path's dialect:
+    TGI's body on TGI's paths (with its HTTP status kept), OpenAI's elsewhere."""
     assert isinstance(exc, HTTPException)
+    path = request.url.path
     if exc.status_code == 404:
-        return render(errors.NotFound(f"No route {request.method} {request.url.path}."))
+        return render(errors.NotFound(f"No route {request.method} {path}."), path)
     error = (
         errors.BadRequest(str(exc.detail))
         if exc.status_code < 500
         else errors.GatewayError(str(exc.detail))
     )
-    response = render(error)
+    response = render(error, path)
     response.status_code = exc.status_code
+    for name, value in (exc.headers or {}).items():  # a 405's Allow
+        response.headers[name] = value
     return response
 
 

@@ -58,3 +58,22 @@ def test_api_key_refusals_answer_in_the_routes_dialect(path: str, tgi: bool) -> 
         assert body["error_type"] == "authentication" and "API key" in body["error"]
     else:
         assert "API key" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/generate", "/generate_stream", "/"])
+def test_a_wrong_method_on_a_tgi_path_answers_in_tgis_shape(path: str) -> None:
+    response = TestClient(create_app(GatewaySettings())).get(path)
+    assert response.status_code == 405
+    assert response.headers["allow"] == "POST"
+    body = response.json()
+    assert set(body) == {"error", "error_type"} and "Method Not Allowed" in body["error"], body
+
+
+def test_a_wrong_method_on_an_openai_path_answers_in_openais_shape() -> None:
+    response = TestClient(create_app(GatewaySettings())).get("/v1/completions")
+    assert response.status_code == 405
+    assert response.headers["allow"] == "POST"
+    assert response.json()["error"]["message"] == "Method Not Allowed", response.json()
+    missing = TestClient(create_app(GatewaySettings())).get("/v1/nothing-here")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["message"] == "No route GET /v1/nothing-here."
