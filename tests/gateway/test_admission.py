@@ -1,7 +1,7 @@
 """gateway/admission.py on its own: free slots, the queue and its bounds, refusals.
 
 Pools and tiers (spill-over) are in test_tiers.py, low priority in
-test_batch_priority.py; here one pool, as without a config.
+tests/gateway/batch/test_priority.py; here one pool, as without a config.
 """
 
 from __future__ import annotations
