@@ -15,10 +15,13 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp
 
 from gateway import batch, errors, metrics, openapi, routes, tracing
-from gateway.api import auth, direct, health, openai, request_ids, vllm_routes
-from gateway.api import tgi as _tgi_endpoints  # noqa: F401  (attach themselves to routes)
+from gateway.api import auth, direct, request_ids
+from gateway.api import health as _health  # noqa: F401  (the endpoints attach themselves)
+from gateway.api import openai as _openai  # noqa: F401
+from gateway.api import tgi as _tgi  # noqa: F401
+from gateway.api import vllm_routes as _vllm_routes  # noqa: F401
 from gateway.api.request_ids import request_id_of
-from gateway.batch import api as batch_api
+from gateway.batch import api as _batch_api  # noqa: F401
 from gateway.cache import merge_config, open_cache
 from gateway.models import Models
 from gateway.pool import Pool
@@ -95,14 +98,8 @@ def create_api(settings: GatewaySettings) -> FastAPI:
     # What the endpoints read (gateway.api.state); the pool and the cache
     # join it when the app starts.
     app.state.settings = settings
-    for route in routes.ROUTES:
-        assert route.endpoint is not None, f"no endpoint serves {route.path}"
-        app.add_api_route(route.path, route.endpoint, methods=["POST"], tags=[route.tag])
-    app.include_router(openai.router)  # GET /v1/models
-    app.include_router(batch_api.router)  # /v1/files, /v1/batches
-    app.include_router(vllm_routes.router)  # /tokenize, /v1/responses, ...
+    routes.declare(app)  # every route of the table (shared.routes)
     openapi.install(app)
-    app.include_router(health.router)
     app.add_exception_handler(errors.GatewayError, _gateway_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)

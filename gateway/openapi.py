@@ -2,8 +2,8 @@
 
 The API routes read their bodies with msgspec (``gateway.schemas``,
 ``gateway.tgi``) rather than through FastAPI's pydantic parameters, so FastAPI
-cannot see them. This module writes those same structs, as the route table
-names them (``gateway.routes``), into the document as JSON Schema
+cannot see them. This module writes those same structs, as the builder routes
+name them (``gateway.routes.BODIES``), into the document as JSON Schema
 components, so ``/openapi.json`` describes exactly what the gateway accepts,
 and adds the error responses every API route can give, in its dialect.
 """
@@ -16,7 +16,7 @@ import msgspec
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from gateway.routes import ROUTES
+from gateway.routes import BODIES
 
 REF = "#/components/schemas/{name}"
 
@@ -68,15 +68,15 @@ def build(app: FastAPI) -> dict[str, Any]:
     document = get_openapi(
         title=app.title, version=app.version, summary=app.summary, routes=app.routes
     )
-    types = [*dict.fromkeys(route.body for route in ROUTES), OpenAIError, TgiError]
+    types = [*dict.fromkeys(body.struct for body in BODIES.values()), OpenAIError, TgiError]
     refs, components = msgspec.json.schema_components(types, ref_template=REF)
     document.setdefault("components", {}).setdefault("schemas", {}).update(components)
     ref_of = dict(zip(types, refs, strict=True))
-    for route in ROUTES:
+    for route, body in BODIES.items():
         operation = document["paths"][route.path]["post"]
         operation["requestBody"] = {
             "required": True,
-            "content": {"application/json": {"schema": ref_of[route.body]}},
+            "content": {"application/json": {"schema": ref_of[body.struct]}},
         }
         tgi = route.dialect == "tgi"
         error_ref = ref_of[TgiError if tgi else OpenAIError]
@@ -84,9 +84,9 @@ def build(app: FastAPI) -> dict[str, Any]:
         responses.pop("422", None)  # FastAPI's own validation error: never raised here
         ok = responses.setdefault("200", {"description": "Successful Response"})
         ok["content"] = {}
-        if route.streams != "always":
+        if body.streams != "always":
             ok["content"]["application/json"] = {"schema": {"type": "object"}}
-        if route.streams != "never":
+        if body.streams != "never":
             ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
         for status, description in _ERRORS.items():
             if tgi and status == "400":

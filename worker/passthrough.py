@@ -13,7 +13,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from shared import protocol
+from shared import protocol, routes
 from worker import sampling, spans
 from worker.errors import RequestError
 from worker.prepare import Preparer
@@ -22,8 +22,7 @@ from worker.vllm_app import VllmApp
 # vLLM's routes that take a completion or chat body (and which of ours each
 # is): span extraction and the token limits read these bodies on vLLM's path.
 GENERATION_ROUTES: dict[str, protocol.RequestKind] = {
-    "/v1/completions": "completion",
-    "/v1/chat/completions": "chat",
+    route.path: route.generates for route in routes.ROUTES if route.generates is not None
 }
 
 

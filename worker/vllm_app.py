@@ -22,41 +22,21 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+from shared import routes
 from worker.errors import RequestError
 
 log = logging.getLogger(__name__)
 
-# The paths a gateway may ask for: what `vllm serve` answers for text models,
-# less its own operations routes (metrics, health, load, scaling).
-PATHS = frozenset(
-    {
-        "/v1/completions",
-        "/v1/chat/completions",
-        "/v1/chat/completions/batch",
-        "/v1/responses",
-        "/tokenize",
-        "/detokenize",
-        "/version",
-        "/ping",
-        "/invocations",
-        "/v1/messages",
-        "/v1/messages/count_tokens",
-    }
-)
-RESPONSE_PREFIX = "/v1/responses/"
+# What a gateway may ask for: the route table's routes that vLLM's server
+# answers (`vllm serve`'s routes for text models, less its own operations
+# routes: metrics, health, load, scaling).
+FORWARDED = frozenset(route for route in routes.ROUTES if route.forwarded)
 
 
 def allowed(method: str, path: str) -> bool:
-    if path in PATHS:
-        return True
-    # GET /v1/responses/{id}, POST /v1/responses/{id}/cancel
-    rest = path.removeprefix(RESPONSE_PREFIX)
-    if rest == path or not rest:
-        return False
-    if method == "GET":
-        return "/" not in rest
-    response_id, _, action = rest.partition("/")
-    return method == "POST" and action == "cancel" and bool(response_id)
+    """Whether ``method path`` (a concrete path) is one of :data:`FORWARDED`."""
+    route = routes.find(path)
+    return route is not None and route in FORWARDED and method in route.methods
 
 
 def add_frontend_args(parser: argparse.ArgumentParser) -> None:

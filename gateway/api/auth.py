@@ -22,11 +22,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gateway import errors
 from gateway.api.request_ids import with_request_id
 from gateway.routes import render
+from shared import routes
 from shared.settings import GatewaySettings
-
-# Load balancers and Kubernetes probes carry no key.
-OPEN_PATHS = frozenset({"/health", "/ready"})
-METRICS_PATH = "/metrics"
 
 _MISSING = errors.Unauthorized(
     "You didn't provide an API key. Send it in an Authorization header using Bearer auth "
@@ -70,7 +67,8 @@ class ApiKeyMiddleware:
             raise ValueError("ApiKeyMiddleware needs at least one key")
         self.app = app
         self._digests = tuple(_digest(key.encode("ascii")) for key in keys)
-        self._open = OPEN_PATHS if protect_metrics else OPEN_PATHS | {METRICS_PATH}
+        # Load balancers and Kubernetes probes carry no key (the route table's `key`).
+        self._open = routes.open_paths(protect_metrics)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self._open:

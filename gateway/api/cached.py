@@ -16,13 +16,13 @@ from typing import Any
 import msgspec
 from fastapi.responses import Response, StreamingResponse
 
-from gateway import metrics, routes, sse
+from gateway import metrics, sse
 from gateway.api.headers import CACHE_HEADER, JSON, STREAM_HEADERS, WORKER_HEADER
 from gateway.cache import Entry, ResponseCache, controls, in_scope, key_for
 from gateway.handle import Answerer
 from gateway.pool import Pool
 from gateway.workers import WorkerState
-from shared import protocol
+from shared import protocol, routes
 
 # The routes whose answers are cached (OpenAI's; TGI's are not).
 CACHED_ROUTES = frozenset({routes.COMPLETIONS.path, routes.CHAT.path})

@@ -1,7 +1,7 @@
 """The API's POST routes served straight from ASGI, past FastAPI's per-request machinery.
 
-The completion routes (``gateway.routes``) are declared on the FastAPI app
-too, so they appear in ``/openapi.json`` like any route, but a request for
+The builder routes of the route table (``shared.routes``) are declared on
+the FastAPI app too, so they appear in ``/openapi.json`` like any route, but a request for
 one never goes through FastAPI's app, router, dependency solving, exception
 middleware and exit stacks: this app, in front of FastAPI's, finds the
 endpoint by path and calls it with a plain Starlette ``Request``. That
@@ -23,21 +23,20 @@ from starlette.types import Receive, Scope, Send
 
 from gateway import errors
 from gateway.api.request_ids import HEADER, assign
-from gateway.routes import ROUTES, Endpoint, render
+from gateway.routes import DIRECT, Endpoint, endpoint_of, render
 
 log = logging.getLogger(__name__)
 
 
 class DirectRoutes:
-    """In front of the FastAPI app: POSTs to the table's paths are served here,
-    everything else (lifespan included) goes on to ``api``."""
+    """In front of the FastAPI app: POSTs to the builder routes' paths are served
+    here, everything else (lifespan included) goes on to ``api``."""
 
     def __init__(self, api: FastAPI) -> None:
         self.api = api
-        self.endpoints: dict[str, Endpoint] = {}
-        for route in ROUTES:
-            assert route.endpoint is not None, f"no endpoint serves {route.path}"
-            self.endpoints[route.path] = route.endpoint
+        self.endpoints: dict[str, Endpoint] = {
+            route.path: endpoint_of(route, "POST") for route in DIRECT
+        }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = None

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 
 from gateway import metrics
 from gateway.pool import Pool
+from gateway.routes import serves
 from gateway.sse import encode
+from shared import routes
 
-router = APIRouter()
 
-
-@router.get("/health")
+@serves(routes.HEALTH)
 async def health(request: Request) -> Response:
     """The gateway process is up (it may still have no worker)."""
     pool: Pool = request.app.state.pool
@@ -28,14 +28,14 @@ async def health(request: Request) -> Response:
     )
 
 
-@router.get("/metrics")
+@serves(routes.METRICS)
 async def prometheus_metrics() -> Response:
     """Prometheus exposition of the gateway's metrics (all its processes)."""
     body, content_type = metrics.render()
     return Response(body, media_type=content_type)
 
 
-@router.get("/ready")
+@serves(routes.READY)
 async def ready(request: Request) -> Response:
     """Ready when at least one worker is healthy: 200, else 503."""
     pool: Pool = request.app.state.pool

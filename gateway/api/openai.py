@@ -10,21 +10,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 
-from gateway import routes, schemas, sse
+from gateway import schemas, sse
 from gateway.api import vllm_routes
 from gateway.api.call import Call
 from gateway.api.headers import JSON
 from gateway.api.http import read_body
 from gateway.api.state import pool_of, settings_of
 from gateway.pool import Pool
+from gateway.routes import serves
+from shared import routes
 
-router = APIRouter()
 
-
-@router.get("/v1/models")
+@serves(routes.MODELS)
 async def list_models(request: Request) -> Response:
     pool = pool_of(request)
     await pool.wait_for_worker()
@@ -40,7 +40,7 @@ async def list_models(request: Request) -> Response:
     return Response(sse.encode({"object": "list", "data": data}), media_type=JSON)
 
 
-@routes.COMPLETIONS.serves
+@serves(routes.COMPLETIONS)
 async def create_completion(request: Request) -> Response:
     settings = settings_of(request)
     raw = schemas.decode_body(await read_body(request, settings.max_body_bytes))
@@ -53,7 +53,7 @@ async def create_completion(request: Request) -> Response:
     return await call.serve(lambda limit: _prompt_key(body.prompt, limit))
 
 
-@routes.CHAT.serves
+@serves(routes.CHAT)
 async def create_chat_completion(request: Request) -> Response:
     settings = settings_of(request)
     raw = schemas.decode_body(await read_body(request, settings.max_body_bytes))

@@ -23,7 +23,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import errors
-from gateway.routes import BY_PATH, render
+from gateway.routes import DIRECT_PATHS, render
 
 HEADER = b"x-request-id"
 R = TypeVar("R", bound=Response)
@@ -84,7 +84,7 @@ class RequestIds:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or (scope["method"] == "POST" and scope["path"] in BY_PATH):
+        if scope["type"] != "http" or (scope["method"] == "POST" and scope["path"] in DIRECT_PATHS):
             await self.app(scope, receive, send)
             return
         rid, bad = assign(scope)

@@ -10,23 +10,25 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway import errors, routes, schemas, tgi
+from gateway import errors, schemas, tgi
 from gateway.api.call import Call
 from gateway.api.http import read_body
 from gateway.api.state import pool_of, settings_of
+from gateway.routes import serves
+from shared import routes
 
 
-@routes.TGI_GENERATE.serves
+@serves(routes.TGI_GENERATE)
 async def generate(request: Request) -> Response:
     return await _serve(request, routes.TGI_GENERATE.path, stream=False)
 
 
-@routes.TGI_GENERATE_STREAM.serves
+@serves(routes.TGI_GENERATE_STREAM)
 async def generate_stream(request: Request) -> Response:
     return await _serve(request, routes.TGI_GENERATE_STREAM.path, stream=True)
 
 
-@routes.TGI_COMPAT.serves
+@serves(routes.TGI_COMPAT)
 async def compat_generate(request: Request) -> Response:
     return await _serve(request, routes.TGI_COMPAT.path, stream=None)
 

@@ -1,6 +1,7 @@
 """vLLM's own routes, answered by vLLM's server in a worker (``worker.vllm_app``).
 
-``/tokenize``, ``/detokenize``, ``/version``, ``/ping``, ``/invocations``,
+The route table's ``vllm`` routes (``shared.routes``): ``/tokenize``,
+``/detokenize``, ``/version``, ``/ping``, ``/invocations``,
 ``/v1/chat/completions/batch``, the Responses API (``/v1/responses``, and
 by id) and Anthropic's ``/v1/messages``: the gateway admits and routes each
 to a worker of the model it names (any worker when it names none), with
@@ -17,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from gateway import errors, schemas, sse
@@ -26,8 +27,8 @@ from gateway.api.call import Call
 from gateway.api.headers import JSON
 from gateway.api.http import read_body
 from gateway.api.state import pool_of, settings_of
-
-router = APIRouter(tags=["vLLM"])
+from gateway.routes import served, serves
+from shared import routes
 
 
 async def forward(
@@ -64,34 +65,22 @@ def _poster(path: str) -> Callable[[Request], Awaitable[Response]]:
     return post
 
 
-# POST routes whose JSON body goes to vLLM's server as it came.
-for _path in (
-    "/tokenize",
-    "/detokenize",
-    "/invocations",
-    "/v1/chat/completions/batch",
-    "/v1/messages",
-    "/v1/messages/count_tokens",
-):
-    router.add_api_route(_path, _poster(_path), methods=["POST"])
-
-
-@router.get("/version")
+@serves(routes.VERSION)
 async def version(request: Request) -> Response:
-    return await forward(request, "/version", None, "GET")
+    return await forward(request, routes.VERSION.path, None, "GET")
 
 
-@router.get("/ping")
+@serves(routes.PING, "GET")
 async def ping(request: Request) -> Response:
-    return await forward(request, "/ping", None, "GET")
+    return await forward(request, routes.PING.path, None, "GET")
 
 
-@router.post("/ping")
+@serves(routes.PING, "POST")
 async def ping_post(request: Request) -> Response:
-    return await forward(request, "/ping", None, "POST")
+    return await forward(request, routes.PING.path, None, "POST")
 
 
-@router.post("/v1/responses")
+@serves(routes.RESPONSES)
 async def create_response(request: Request) -> Response:
     raw = schemas.decode_body(await read_body(request, settings_of(request).max_body_bytes))
     store = responses.store_of(request)
@@ -100,11 +89,11 @@ async def create_response(request: Request) -> Response:
     if isinstance(previous_id, str) and previous_id:
         previous = await responses.load(store, previous_id)
     if previous is None and not raw.get("store", True):
-        return await forward(request, "/v1/responses", raw)  # nothing to keep or expand
+        return await forward(request, routes.RESPONSES.path, raw)  # nothing to keep or expand
     recorder = responses.Recorder(store, raw, previous, str(previous_id) if previous else "")
     wire = responses.continued(raw, previous) if previous is not None else raw
     keep = raw.get("store", True)
-    response = await forward(request, "/v1/responses", wire)
+    response = await forward(request, routes.RESPONSES.path, wire)
     if response.status_code != 200:
         return response
     if isinstance(response, StreamingResponse):
@@ -116,12 +105,12 @@ async def create_response(request: Request) -> Response:
     return Response(patched, media_type=response.media_type, headers=_headers(response))
 
 
-@router.get("/v1/responses/{response_id}")
+@serves(routes.RESPONSE)
 async def retrieve_response(request: Request, response_id: str) -> Response:
     stored = await responses.load(responses.store_of(request), response_id)
     if stored is not None:
         return Response(sse.encode(stored.response), media_type=JSON)
-    return await forward(request, f"/v1/responses/{response_id}", None, "GET")
+    return await forward(request, routes.RESPONSE.url(response_id=response_id), None, "GET")
 
 
 def _headers(response: Response) -> dict[str, str]:
@@ -131,6 +120,13 @@ def _headers(response: Response) -> dict[str, str]:
     }
 
 
-@router.post("/v1/responses/{response_id}/cancel")
+@serves(routes.RESPONSE_CANCEL)
 async def cancel_response(request: Request, response_id: str) -> Response:
-    return await forward(request, f"/v1/responses/{response_id}/cancel", None, "POST")
+    path = routes.RESPONSE_CANCEL.url(response_id=response_id)
+    return await forward(request, path, None, "POST")
+
+
+# A POST to any other of vLLM's routes: its JSON body goes to vLLM's server as it came.
+for _route in routes.ROUTES:
+    if _route.kind == "vllm" and "POST" in _route.methods and not served(_route, "POST"):
+        serves(_route, "POST")(_poster(_route.path))

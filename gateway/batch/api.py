@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 from starlette.datastructures import UploadFile
 from starlette.types import Message, Receive
@@ -21,8 +21,8 @@ from gateway import errors, schemas, sse
 from gateway.api.http import header, read_body
 from gateway.batch import Batches, jsonl
 from gateway.batch.store import Store
-
-router = APIRouter(tags=["Batch"])
+from gateway.routes import serves
+from shared import routes
 
 JSON = "application/json"
 # Purposes a file may be uploaded for: a batch's input is the only use here.
@@ -74,7 +74,7 @@ def _limit(request: Request, bounds: tuple[int, int]) -> int:
 # -- files ----------------------------------------------------------------------
 
 
-@router.post("/v1/files")
+@serves(routes.FILES, "POST")
 async def create_file(request: Request) -> Response:
     """Upload a batch input file (multipart: ``file`` and ``purpose``)."""
     store = _store(request)
@@ -119,7 +119,7 @@ def _limited(receive: Receive, limit: int) -> Receive:
     return limited
 
 
-@router.get("/v1/files")
+@serves(routes.FILES, "GET")
 async def list_files(request: Request) -> Response:
     store = _store(request)
     params = request.query_params
@@ -133,7 +133,7 @@ async def list_files(request: Request) -> Response:
     return _page(data, more)
 
 
-@router.get("/v1/files/{file_id}")
+@serves(routes.FILE, "GET")
 async def retrieve_file(request: Request, file_id: str) -> Response:
     file = await asyncio.to_thread(_store(request).get_file, file_id)
     if file is None:
@@ -141,7 +141,7 @@ async def retrieve_file(request: Request, file_id: str) -> Response:
     return _json(file)
 
 
-@router.get("/v1/files/{file_id}/content")
+@serves(routes.FILE_CONTENT)
 async def file_content(request: Request, file_id: str) -> Response:
     content = await asyncio.to_thread(_store(request).file_content, file_id)
     if content is None:
@@ -149,7 +149,7 @@ async def file_content(request: Request, file_id: str) -> Response:
     return Response(content, media_type="application/octet-stream")
 
 
-@router.delete("/v1/files/{file_id}")
+@serves(routes.FILE, "DELETE")
 async def delete_file(request: Request, file_id: str) -> Response:
     if not await asyncio.to_thread(_store(request).delete_file, file_id):
         raise _no_file(file_id)
@@ -163,7 +163,7 @@ def _no_file(file_id: str, param: str | None = None) -> errors.NotFound:
 # -- batches ----------------------------------------------------------------------
 
 
-@router.post("/v1/batches")
+@serves(routes.BATCHES, "POST")
 async def create_batch(request: Request) -> Response:
     batches = _batches(request)
     store = _store(request)
@@ -193,7 +193,7 @@ async def create_batch(request: Request) -> Response:
     return _json(batch)
 
 
-@router.get("/v1/batches")
+@serves(routes.BATCHES, "GET")
 async def list_batches(request: Request) -> Response:
     store = _store(request)
     limit = _limit(request, BATCHES_LIMIT)
@@ -202,7 +202,7 @@ async def list_batches(request: Request) -> Response:
     return _page(data, more)
 
 
-@router.get("/v1/batches/{batch_id}")
+@serves(routes.BATCH)
 async def retrieve_batch(request: Request, batch_id: str) -> Response:
     batch = await asyncio.to_thread(_store(request).get_batch, batch_id)
     if batch is None:
@@ -210,7 +210,7 @@ async def retrieve_batch(request: Request, batch_id: str) -> Response:
     return _json(batch)
 
 
-@router.post("/v1/batches/{batch_id}/cancel")
+@serves(routes.BATCH_CANCEL)
 async def cancel_batch(request: Request, batch_id: str) -> Response:
     """Cancel a job: its lines in flight are aborted, those not run go to the error file."""
     batches = _batches(request)

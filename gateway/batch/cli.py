@@ -32,6 +32,7 @@ from typing import Any
 from gateway import errors
 from gateway.batch import jsonl
 from gateway.batch.runner import CACHE_METADATA_KEY
+from shared import routes
 from shared.ports import free_port, free_port_range
 
 READY_TIMEOUT = 900.0
@@ -77,11 +78,11 @@ class Client:
         ]
         body = "".join(parts).encode() + data + f"\r\n--{boundary}--\r\n".encode()
         content_type = f"multipart/form-data; boundary={boundary}"
-        file_id: str = json.loads(self._call("POST", "/v1/files", body, content_type))["id"]
+        file_id: str = json.loads(self._call("POST", routes.FILES.path, body, content_type))["id"]
         return file_id
 
     def content(self, file_id: str) -> bytes:
-        return self._call("GET", f"/v1/files/{file_id}/content")
+        return self._call("GET", routes.FILE_CONTENT.url(file_id=file_id))
 
 
 def run_job(client: Client, input_path: Path, output: Path, cache_results: bool) -> int:
@@ -99,12 +100,12 @@ def run_job(client: Client, input_path: Path, output: Path, cache_results: bool)
         "completion_window": "24h",
         "metadata": metadata,
     }
-    batch = client.json("POST", "/v1/batches", body)
+    batch = client.json("POST", routes.BATCHES.path, body)
     print(f"batch {batch['id']}: {len(lines)} requests", file=sys.stderr)
     shown = -1
     while batch["status"] not in FINAL:
         time.sleep(POLL_SECONDS)
-        batch = client.json("GET", f"/v1/batches/{batch['id']}")
+        batch = client.json("GET", routes.BATCH.url(batch_id=batch["id"]))
         counts = batch["request_counts"]
         done = counts["completed"] + counts["failed"]
         if done != shown:
@@ -161,7 +162,7 @@ def _wait_ready(proc: subprocess.Popen[bytes], base_url: str, log_path: Path) ->
             tail = log_path.read_text(errors="replace")[-3000:]
             raise SystemExit(f"llmgate batch: llmgate serve exited with {proc.returncode}:\n{tail}")
         try:
-            with urllib.request.urlopen(f"{base_url}/ready", timeout=2) as response:
+            with urllib.request.urlopen(base_url + routes.READY.path, timeout=2) as response:
                 if json.loads(response.read())["ready"]:
                     return
         except (urllib.error.URLError, OSError):

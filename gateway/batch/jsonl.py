@@ -18,9 +18,11 @@ from typing import Any
 import msgspec
 
 from gateway import errors, schemas
+from shared.routes import ROUTES
 
-# The endpoints a batch may run (the gateway's OpenAI routes).
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+# The endpoints a batch may run: the route table's batchable routes (sorted,
+# so that a message lists them in one order).
+ENDPOINTS = tuple(sorted(route.path for route in ROUTES if route.batchable))
 COMPLETION_WINDOWS = ("24h",)
 # OpenAI's limit on requests per batch.
 MAX_LINES = 50_000
@@ -63,7 +65,7 @@ def parse(data: bytes) -> list[Line]:
             raise _bad(number, "`method` must be POST")
         url = item.get("url")
         if not isinstance(url, str):
-            raise _bad(number, "`url` must be a string, e.g. /v1/chat/completions")
+            raise _bad(number, f"`url` must be a string, e.g. {ENDPOINTS[0]}")
         body = item.get("body")
         if not isinstance(body, dict):
             raise _bad(number, "`body` must be a JSON object (the request's body)")

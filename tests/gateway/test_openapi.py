@@ -9,6 +9,8 @@ import pytest
 
 from gateway import routes, schemas
 from gateway.app import create_api
+from shared import routes as table
+from shared.routes import Route
 from shared.settings import GatewaySettings
 
 
@@ -23,7 +25,7 @@ def body_schema(document: dict[str, Any], path: str) -> dict[str, Any]:
     return {**ref, "components": document["components"]}
 
 
-BODIES = [(route.path, route.body) for route in routes.ROUTES]
+BODIES = [(route.path, body.struct) for route, body in routes.BODIES.items()]
 
 
 @pytest.mark.parametrize(("path", "struct"), BODIES)
@@ -76,9 +78,17 @@ def test_error_responses_use_the_routes_error_shape(document: dict[str, Any]) ->
     assert routes.dialect_of("/generate") == "tgi"
 
 
-@pytest.mark.parametrize("route", routes.ROUTES, ids=lambda route: route.path)
-def test_each_route_documents_how_it_answers(document: dict[str, Any], route: routes.Route) -> None:
+@pytest.mark.parametrize("route", routes.BODIES, ids=lambda route: route.path)
+def test_each_route_documents_how_it_answers(document: dict[str, Any], route: Route) -> None:
+    streams = routes.BODIES[route].streams
     ok = document["paths"][route.path]["post"]["responses"]["200"]["content"]
-    assert ("text/event-stream" in ok) == (route.streams != "never")
-    assert ("application/json" in ok) == (route.streams != "always")
-    assert document["paths"][route.path]["post"]["tags"] == [route.tag]
+    assert ("text/event-stream" in ok) == (streams != "never")
+    assert ("application/json" in ok) == (streams != "always")
+    assert document["paths"][route.path]["post"]["tags"] == [routes.tag_of(route)]
+
+
+def test_the_document_has_every_route_and_method_of_the_table(document: dict[str, Any]) -> None:
+    documented = {
+        (path, method.upper()) for path, ops in document["paths"].items() for method in ops
+    }
+    assert documented == {(r.path, m) for r in table.ROUTES for m in r.methods}

@@ -1,4 +1,4 @@
-"""gateway/routes.py: one table for the POST routes, and errors in each route's dialect."""
+"""gateway/routes.py: the route table's endpoints on the app, and errors in each route's dialect."""
 
 from __future__ import annotations
 
@@ -9,18 +9,38 @@ from starlette.testclient import TestClient
 
 from gateway import errors, routes
 from gateway.app import create_app
+from shared import routes as table
 from shared.settings import GatewaySettings
 
 
-def test_every_route_has_its_endpoint() -> None:
+def test_every_route_and_method_has_its_endpoint() -> None:
     import gateway.app  # noqa: F401  (the endpoints attach themselves on import)
 
-    assert all(route.endpoint is not None for route in routes.ROUTES)
-    assert len(routes.BY_PATH) == len(routes.ROUTES)
+    missing = [
+        f"{method} {route.path}"
+        for route in table.ROUTES
+        for method in route.methods
+        if not routes.served(route, method)
+    ]
+    assert not missing
 
 
-@pytest.mark.parametrize("route", routes.ROUTES, ids=lambda route: route.path)
-def test_errors_are_rendered_in_the_routes_dialect(route: routes.Route) -> None:
+def test_an_endpoint_names_a_method_of_its_route() -> None:
+    with pytest.raises(AssertionError, match="is not a method"):
+        routes.serves(table.HEALTH, "POST")
+    with pytest.raises(AssertionError, match="name one"):
+        routes.serves(table.PING)
+
+
+def test_the_fast_path_serves_the_builder_routes_and_openapi_knows_their_bodies() -> None:
+    builders = [route for route in table.ROUTES if route.kind == "builder"]
+    assert list(routes.DIRECT) == builders
+    assert list(routes.BODIES) == builders
+    assert all(route.methods == ("POST",) for route in builders)
+
+
+@pytest.mark.parametrize("route", routes.DIRECT, ids=lambda route: route.path)
+def test_errors_are_rendered_in_the_routes_dialect(route: table.Route) -> None:
     response = routes.render(errors.BadRequest("no good", "temperature"), route.path)
     body = json.loads(bytes(response.body))
     if route.dialect == "tgi":
@@ -32,8 +52,8 @@ def test_errors_are_rendered_in_the_routes_dialect(route: routes.Route) -> None:
         assert body["error"]["param"] == "temperature"
 
 
-@pytest.mark.parametrize("route", routes.ROUTES, ids=lambda route: route.path)
-def test_a_model_not_ready_keeps_its_retry_after_in_every_dialect(route: routes.Route) -> None:
+@pytest.mark.parametrize("route", routes.DIRECT, ids=lambda route: route.path)
+def test_a_model_not_ready_keeps_its_retry_after_in_every_dialect(route: table.Route) -> None:
     response = routes.render(errors.ModelNotReady.for_model("m", False), route.path)
     assert response.status_code == 503
     assert response.headers["retry-after"] == str(errors.NO_WORKER_RETRY_AFTER)

@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from prometheus_client import REGISTRY
 from starlette.requests import Request
 
-from gateway import routes, schemas, sse
+from gateway import schemas, sse
 from gateway.api.call import Call
 from gateway.api.http import EventStream
 from gateway.cache import ResponseCache
@@ -27,7 +27,7 @@ from gateway.cache.memory import MemoryStore
 from gateway.models import Models
 from gateway.pool import Pool
 from gateway.workers import WorkerState
-from shared import config, protocol
+from shared import config, protocol, routes
 from shared.settings import GatewaySettings
 from tests.gateway.api.test_attempts import answer, generated, generates, sent_to
 from tests.gateway.test_pool import healthy_worker
