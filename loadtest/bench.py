@@ -187,6 +187,7 @@ RATIOS = (
     ("vllm-direct / fastapi-batching", "vllm-direct", "fastapi-batching"),
     ("llmgate-1 / vllm-inprocess", "llmgate-1", "vllm-inprocess"),
     ("llmgate-1 / vllm-direct-default", "llmgate-1", "vllm-direct-default"),
+    ("llmgate-1-preload / llmgate-1", "llmgate-1-preload", "llmgate-1"),
 )
 
 

@@ -7,6 +7,8 @@ alone binds its compute threads to every core; two engines each get their
 own slice; none holds a core back for a front end (but ``vllm-direct-default``).
 
 * ``llmgate-1`` / ``llmgate-2``: ``llmgate serve`` with one / two workers.
+* ``llmgate-1-preload``: ``llmgate-1`` with ``--cpu-preload true`` (tcmalloc
+  and Intel's OpenMP runtime, where installed), to measure what the preload buys.
 * ``vllm-direct``: ``python -m vllm.entrypoints.openai.api_server``, with
   llmgate's thread settings (no core reserved for the front end).
 * ``vllm-direct-default``: the same at vLLM's own default (one core reserved).
@@ -38,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = SERVED_MODEL_NAME
 TARGETS = (
     "llmgate-1",
+    "llmgate-1-preload",
     "llmgate-2",
     "vllm-direct",
     "vllm-direct-default",
@@ -136,13 +139,17 @@ def vllm_server_argv(port: int, engine: Engine) -> list[str]:
     ]
 
 
-def llmgate_argv(port: int, worker_base_port: int, workers: int, engine: Engine) -> list[str]:
+def llmgate_argv(
+    port: int, worker_base_port: int, workers: int, engine: Engine, preload: bool = False
+) -> list[str]:
     # The embedded model, float32 and a 1 GiB KV cache are llmgate's defaults;
     # on GPUs it starts one worker per visible GPU (``gpu_env``).
     flags = f"--port {port} --worker-base-port {worker_base_port} --num-workers {workers}"
     model = ["--dtype", engine.dtype]
     if engine.model_dir:
         model += ["--model", engine.model_dir, "--served-model-name", MODEL]
+    if preload:
+        flags += " --cpu-preload true"
     return [sys.executable, "-m", "serve", *flags.split(), *model, *engine.flags]
 
 
@@ -173,10 +180,11 @@ def ensure_router() -> Path:
 def serving(target: str, engine: Engine, run_dir: Path) -> Iterator[str]:
     """Start ``target``; yield its base URL once it can serve; stop all of it afterwards."""
     with contextlib.ExitStack() as stack:
-        if target in ("llmgate-1", "llmgate-2"):
-            workers = int(target[-1])
+        if target in ("llmgate-1", "llmgate-2", "llmgate-1-preload"):
+            workers = 2 if target == "llmgate-2" else 1
             port, log = free_port(), run_dir / f"{target}.log"
-            argv = llmgate_argv(port, free_port_range(workers), workers, engine)
+            preload = target == "llmgate-1-preload"
+            argv = llmgate_argv(port, free_port_range(workers), workers, engine, preload)
             env = {**os.environ, **engine.gpu_env(workers)}
             proc = stack.enter_context(launched(target, argv, log, env, ROOT))
             url = f"http://127.0.0.1:{port}"

