@@ -40,18 +40,14 @@ from typing import Any
 import httpx
 import openai
 
-from loadtest.procs import await_ready, launched
+from loadtest.percentiles import observed_percentile
+from loadtest.procs import await_ready, launched, served_model
+from loadtest.report import ROOT
 from shared.ports import free_port, free_port_range
 
-ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT_S = 600.0
 CHAT = "/v1/chat/completions"
 TOPICS = ("rivers", "mountains", "birds", "trees", "stars", "ships", "bridges", "clocks")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 def latency_stats(latencies: list[float]) -> dict[str, Any]:
@@ -59,8 +55,8 @@ def latency_stats(latencies: list[float]) -> dict[str, Any]:
         return {"requests": 0, "p50_s": None, "p99_s": None, "mean_s": None}
     return {
         "requests": len(latencies),
-        "p50_s": percentile(latencies, 0.5),
-        "p99_s": percentile(latencies, 0.99),
+        "p50_s": observed_percentile(latencies, 0.5),
+        "p99_s": observed_percentile(latencies, 0.99),
         "mean_s": statistics.fmean(latencies),
     }
 
@@ -272,7 +268,7 @@ def run(run_dir: Path, args: Any) -> dict[str, Any]:
     log_path = run_dir / "serve.log"
     with launched("llmgate serve", argv, log_path, env=dict(os.environ), cwd=ROOT) as proc:
         await_ready("llmgate serve", proc, log_path, f"{url}/ready", STARTUP_TIMEOUT_S)
-        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        model = served_model(url)
         asyncio.run(send_all(url, [sampled_body(model, i, 8) for i in range(8)], 4))  # warm-up
         report = measure(url, model, args)
     report["parameters"] = {

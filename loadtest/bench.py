@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import json
 import os
 import platform
@@ -53,7 +52,6 @@ import time
 from dataclasses import asdict, fields
 from datetime import UTC, datetime
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import httpx
@@ -61,10 +59,10 @@ import httpx
 from loadtest import cpu_use, targets
 from loadtest.closed_loop import Sample, Stats, completion_payload, http_completion, run_closed_loop
 from loadtest.closed_loop import summarize as summarize_samples
-from loadtest.procs import launched, log_tail, vllm_version
+from loadtest.machine import vllm_version
+from loadtest.procs import launched, log_tail, raise_interrupt
+from loadtest.report import ROOT, TextColumn, results_dir, text_table, write_csv, write_json
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS_ROOT = ROOT / "loadtest" / "results"
 PROMPT = "Hello World, what is your name dog?"
 LONG_MAX_TOKENS = 128
 
@@ -140,7 +138,7 @@ def measure(target: str, args: argparse.Namespace, run_dir: Path) -> Stats:
 
 # --- reporting ------------------------------------------------------------
 
-COLUMNS = (
+COLUMNS: tuple[TextColumn, ...] = (
     ("target", "target", "{:<16}", 16),
     ("requests_per_s", "req/s", "{:>7.2f}", 7),
     ("output_tokens_per_s", "tok/s", "{:>7.1f}", 7),
@@ -154,17 +152,7 @@ COLUMNS = (
 
 
 def format_table(results: list[Stats]) -> str:
-    header = " ".join(
-        f"{title:<{width}}" if key == "target" else f"{title:>{width}}"
-        for key, title, _, width in COLUMNS
-    )
-    lines = [header]
-    for r in results:
-        cells = []
-        for key, _, fmt, width in COLUMNS:
-            value = getattr(r, key)
-            cells.append("-".rjust(width) if value is None else fmt.format(value))
-        lines.append(" ".join(cells))
+    lines = [text_table(COLUMNS, results)]
     lines += [f"{name} (tok/s): {value:.2f}x" for name, value in ratios(results).items()]
     # Where the cores went (loadtest.cpu_use); for vllm-inprocess the bench
     # client is also vLLM's front end.
@@ -223,12 +211,8 @@ def write_results(
         "results": [asdict(r) for r in results],
         "ratios_output_tokens_per_s": ratios(results),
     }
-    (run_dir / "results.json").write_text(json.dumps(document, indent=2) + "\n")
-    columns = [key for key, *_ in COLUMNS] + ["measured_s"]
-    with (run_dir / "results.csv").open("w", newline="") as out:
-        writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(asdict(r) for r in results)
+    write_json(run_dir / "results.json", document)
+    write_csv(run_dir / "results.csv", results, [key for key, *_ in COLUMNS] + ["measured_s"])
 
 
 def plot(path: Path, results: list[Stats], title: str) -> None:
@@ -349,10 +333,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _raise_interrupt(signum: int, _frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
-
-
 def main(argv: list[str] | None = None) -> int:
     scenario, rest = _scenario_parser().parse_known_args(argv)
     if scenario.scenario == "multiturn":
@@ -375,15 +355,14 @@ def main(argv: list[str] | None = None) -> int:
     args.gpus = count_gpus()
     # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so every server is stopped;
     # SIGINT too when started in the background, where it would be ignored.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    signal.signal(signal.SIGINT, _raise_interrupt)
+    signal.signal(signal.SIGTERM, raise_interrupt)
+    signal.signal(signal.SIGINT, raise_interrupt)
 
     from worker.embedded_model import ensure_model
 
     ensure_model()  # a fresh clone converts the embedded model once, here
     started = datetime.now(UTC)
-    run_dir = RESULTS_ROOT / f"{started:%Y%m%dT%H%M%SZ}-bench"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = results_dir("bench", started)
     print(f"results and logs: {run_dir.relative_to(ROOT)}/", flush=True)
     results: list[Stats] = []
     failed: list[str] = []

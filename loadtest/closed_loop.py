@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 
 from loadtest import cpu_use
+from loadtest.percentiles import mean, percentile
 
 
 @dataclass
@@ -69,21 +70,6 @@ class Stats:
     cpu_cores: dict[str, float] = field(default_factory=dict)
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """The ``q``-th percentile (0-100) with linear interpolation, as numpy's default."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
 def _ms(value: float | None) -> float | None:
     return None if value is None else value * 1000
 
@@ -117,8 +103,8 @@ def summarize(
         output_tokens_per_s=tokens_in_window(samples, ok, window_start, window_end) / measured_s,
         p50_ms=_ms(percentile(latencies, 50)),
         p99_ms=_ms(percentile(latencies, 99)),
-        mean_ttft_ms=_ms(_mean(ttfts)),
-        mean_itl_ms=_ms(_mean(itls)),
+        mean_ttft_ms=_ms(mean(ttfts)),
+        mean_itl_ms=_ms(mean(itls)),
         ok=len(ok),
         errors=sum(errors.values()),
         measured_s=measured_s,

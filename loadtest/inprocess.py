@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import time
 from dataclasses import asdict
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.closed_loop import Sample, run_closed_loop, summarize
+from loadtest.report import write_json
 from loadtest.targets import KV_CACHE_GIB, MODEL
 
 TARGET = "vllm-inprocess"
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
     stats = asyncio.run(measure(args))
-    args.out.write_text(json.dumps(stats, indent=2) + "\n")
+    write_json(args.out, stats)
 
 
 if __name__ == "__main__":

@@ -43,9 +43,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import csv
-import importlib.metadata
-import json
 import os
 import platform
 import signal
@@ -53,319 +50,70 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, fields
 from datetime import UTC, datetime
 from pathlib import Path
-from types import FrameType
 
 import httpx
-import psutil
 
-from loadtest import procs, targets
+from loadtest import machine, procs, targets
+from loadtest.locust_runs import (
+    SCENARIOS,
+    Summary,
+    locust_argv,
+    parse_locust_summary,
+    plan_runs,
+    planned_seconds,
+    run_locust,
+    stop_locust,
+    summarize,
+    web_argv,
+)
+from loadtest.report import ROOT, TextColumn, results_dir, text_table, write_csv, write_json
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS_ROOT = ROOT / "loadtest" / "results"
-LOCUSTFILE = ROOT / "loadtest" / "locustfile.py"
-SCENARIOS = ("seed", "chat-stream", "sweep")
 CAPACITY_SCENARIOS = ("connections", "soak")
 SPILLOVER = "spillover"
 BATCH = "batch"
-# Locust's statistics name for each scenario's main request.
-SEED_NAME = "/v1/completions"
-CHAT_NAME = "/v1/chat/completions (stream)"
 # Seconds past a run's planned end before its Locust process counts as hung.
 LOCUST_GRACE_S = 120.0
-
-
-@dataclass(frozen=True)
-class Run:
-    """One Locust process: a scenario, or one step of the sweep."""
-
-    name: str  # file prefix: seed, chat-stream, sweep-24, ...
-    scenario: str
-    user_class: str
-    users: int
-    warmup: float
-    duration: float
-
-
-@dataclass(frozen=True)
-class Stats:
-    """One row of Locust's ``<run>_stats.csv``; times in milliseconds."""
-
-    name: str
-    requests: int
-    failures: int
-    mean_ms: float
-    p50_ms: float | None
-    p99_ms: float | None
-
-
-@dataclass(frozen=True)
-class Summary:
-    scenario: str
-    run: str
-    users: int
-    requests: int
-    failures: int
-    requests_per_s: float
-    p50_ms: float | None
-    p99_ms: float | None
-    ttft_mean_ms: float | None = None
-    itl_mean_ms: float | None = None
-    window_s: float = 0.0  # the measured seconds the figures cover
-
-
-# --- plan ------------------------------------------------------------------
-
-
-def plan_runs(args: argparse.Namespace) -> list[Run]:
-    scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
-    runs: list[Run] = []
-    for scenario in scenarios:
-        if scenario == "seed":
-            runs.append(
-                Run("seed", "seed", "SeedUser", args.seed_users, args.warmup, args.duration)
-            )
-        elif scenario == "chat-stream":
-            runs.append(
-                Run(
-                    "chat-stream",
-                    "chat-stream",
-                    "ChatStreamUser",
-                    args.chat_users,
-                    args.warmup,
-                    args.duration,
-                )
-            )
-        else:
-            runs.extend(
-                Run(f"sweep-{u}", "sweep", "SeedUser", u, args.warmup, args.step_duration)
-                for u in args.sweep_users
-            )
-    return runs
-
-
-def planned_seconds(runs: Sequence[Run]) -> float:
-    return sum(r.warmup + r.duration for r in runs)
-
-
-def locust_argv(run: Run, host: str, prefix: Path, args: argparse.Namespace) -> list[str]:
-    """The headless Locust command line for ``run``; reports go to ``prefix``*."""
-    return [
-        *_locust(host),
-        "--headless",
-        "--users",
-        str(run.users),
-        # Every user at once: a closed loop, not a ramp.
-        "--spawn-rate",
-        str(run.users),
-        "--run-time",
-        f"{round(run.warmup + run.duration)}s",
-        "--warmup",
-        f"{run.warmup:g}",
-        "--csv",
-        str(prefix),
-        "--html",
-        f"{prefix}.html",
-        "--only-summary",
-        # Failures are counted in the summary; they do not fail the run.
-        "--exit-code-on-error",
-        "0",
-        "--summary-json",
-        f"{prefix}_summary.json",
-        *_scenario_options(args),
-        run.user_class,
-    ]
-
-
-def web_argv(host: str, prefix: Path, args: argparse.Namespace) -> list[str]:
-    return [
-        *_locust(host),
-        "--web-host",
-        "127.0.0.1",
-        "--web-port",
-        str(args.web_port),
-        "--class-picker",
-        "--csv",
-        str(prefix),
-        "--html",
-        f"{prefix}.html",
-        *_scenario_options(args),
-    ]
-
-
-def _locust(host: str) -> list[str]:
-    """Locust, our locustfile, and the server to load."""
-    return [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--host", host]
-
-
-def _scenario_options(args: argparse.Namespace) -> list[str]:
-    return [
-        "--model",
-        args.model,
-        "--max-tokens",
-        str(args.max_tokens),
-        "--chat-max-tokens",
-        str(args.chat_max_tokens),
-    ]
-
-
-# --- results ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LocustSummary:
-    """What the locustfile's ``--summary-json`` holds: the window and each request name."""
-
-    window_s: float
-    stats: dict[str, Stats]
-
-
-def parse_locust_summary(text: str) -> LocustSummary:
-    document = json.loads(text)
-    stats = {
-        entry["name"]: Stats(
-            name=entry["name"],
-            requests=int(entry["requests"]),
-            failures=int(entry["failures"]),
-            mean_ms=float(entry["mean_ms"]),
-            p50_ms=entry["p50_ms"],
-            p99_ms=entry["p99_ms"],
-        )
-        for entry in document["entries"]
-    }
-    return LocustSummary(window_s=float(document["window_s"]), stats=stats)
-
-
-def summarize(run: Run, locust: LocustSummary) -> Summary:
-    """The run's figures: throughput over the measured window, latency of the main request.
-
-    ``requests_per_s`` counts only successes (a server that fails fast must
-    not look fast); the percentiles, as Locust's, cover failures too.
-    """
-    main = locust.stats.get(CHAT_NAME if run.scenario == "chat-stream" else SEED_NAME)
-    if main is None or locust.window_s <= 0:
-        return Summary(run.scenario, run.name, run.users, 0, 0, 0.0, None, None)
-    ttft, itl = locust.stats.get("TTFT"), locust.stats.get("ITL")
-    return Summary(
-        scenario=run.scenario,
-        run=run.name,
-        users=run.users,
-        requests=main.requests,
-        failures=main.failures,
-        requests_per_s=(main.requests - main.failures) / locust.window_s,
-        p50_ms=main.p50_ms,
-        p99_ms=main.p99_ms,
-        ttft_mean_ms=ttft.mean_ms if ttft and ttft.requests else None,
-        itl_mean_ms=itl.mean_ms if itl and itl.requests else None,
-        window_s=locust.window_s,
-    )
 
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
+TABLE_COLUMNS: tuple[TextColumn, ...] = (
+    ("run", "run", "{:<12}", 12),
+    ("users", "users", "{:>5}", 5),
+    ("requests_per_s", "req/s", "{:>7.2f}", 7),
+    ("requests", "requests", "{:>8}", 8),
+    ("failures", "failures", "{:>8}", 8),
+    ("p50_ms", "p50 ms", "{:>7.0f}", 7),
+    ("p99_ms", "p99 ms", "{:>7.0f}", 7),
+    ("ttft_mean_ms", "TTFT ms", "{:>7.0f}", 7),
+    ("itl_mean_ms", "ITL ms", "{:>7.1f}", 7),
+)
+
+
 def format_table(rows: Sequence[Summary]) -> str:
-    header = (
-        f"{'run':<12} {'users':>5} {'req/s':>7} {'requests':>8} {'failures':>8} "
-        f"{'p50 ms':>7} {'p99 ms':>7} {'TTFT ms':>7} {'ITL ms':>7}"
-    )
-    lines = [header]
-    for r in rows:
-        itl = "-" if r.itl_mean_ms is None else f"{r.itl_mean_ms:.1f}"
-        lines.append(
-            f"{r.run:<12} {r.users:>5} {r.requests_per_s:>7.2f} {r.requests:>8} "
-            f"{r.failures:>8} {_ms(r.p50_ms):>7} {_ms(r.p99_ms):>7} "
-            f"{_ms(r.ttft_mean_ms):>7} {itl:>7}"
-        )
-    return "\n".join(lines)
+    return text_table(TABLE_COLUMNS, rows)
 
 
-SUMMARY_COLUMNS = [
-    "scenario",
-    "run",
-    "users",
-    "requests",
-    "failures",
-    "requests_per_s",
-    "p50_ms",
-    "p99_ms",
-    "ttft_mean_ms",
-    "itl_mean_ms",
-    "window_s",
-]
+SUMMARY_COLUMNS = [f.name for f in fields(Summary)]
 
 
 def write_summary(run_dir: Path, meta: dict[str, object], rows: Sequence[Summary]) -> None:
-    with (run_dir / "summary.csv").open("w", newline="") as out:
-        writer = csv.DictWriter(out, fieldnames=SUMMARY_COLUMNS)
-        writer.writeheader()
-        writer.writerows(asdict(r) for r in rows)
-    document = {**meta, "results": [asdict(r) for r in rows]}
-    (run_dir / "summary.json").write_text(json.dumps(document, indent=2) + "\n")
-
-
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
-def machine_info() -> dict[str, object]:
-    return {
-        "platform": platform.platform(),
-        "cpu": _cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-    }
+    write_csv(run_dir / "summary.csv", rows, SUMMARY_COLUMNS)
+    write_json(run_dir / "summary.json", {**meta, "results": [asdict(r) for r in rows]})
 
 
 def versions() -> dict[str, str]:
     return {
-        "llmgate": _version("llmgate"),
-        "vllm": procs.vllm_version(),
-        "locust": _version("locust"),
+        "llmgate": machine.package_version("llmgate"),
+        "vllm": machine.vllm_version(),
+        "locust": machine.package_version("locust"),
         "python": platform.python_version(),
     }
-
-
-# --- processes -------------------------------------------------------------
-
-
-def stop_locust(proc: subprocess.Popen[bytes]) -> None:
-    """SIGINT, as Ctrl-C: Locust then writes its HTML report (not on SIGTERM); SIGKILL if stuck."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def run_locust(argv: list[str], log_path: Path, timeout: float) -> None:
-    with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
-    try:
-        rc = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"locust still running after {timeout:.0f}s; see {log_path}") from None
-    finally:
-        stop_locust(proc)
-    if rc != 0:
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
-        raise RuntimeError(f"locust exited with {rc}; log tail:\n{tail}")
 
 
 @contextlib.contextmanager
@@ -379,12 +127,6 @@ def target(args: argparse.Namespace, run_dir: Path) -> Iterator[str]:
     engine = targets.Engine(args.enforce_eager, args.startup_timeout)
     with targets.serving("llmgate-1", engine, run_dir) as url:
         yield url
-
-
-def served_model(url: str) -> str:
-    response = httpx.get(url + "/v1/models", timeout=30)
-    response.raise_for_status()
-    return str(response.json()["data"][0]["id"])
 
 
 # --- main ------------------------------------------------------------------
@@ -430,7 +172,7 @@ def run_capacity(args: argparse.Namespace, run_dir: Path, started: datetime) -> 
         os.environ["LLMGATE_QUEUE_TIMEOUT"] = str(capacity.CONNECTIONS_QUEUE_TIMEOUT_S)
     try:
         with target(args, run_dir) as url:
-            model = args.model or served_model(url)
+            model = args.model or procs.served_model(url)
             pid = capacity.server_pid_of(url)
             if args.scenario == "connections":
                 print(f"[connections] {args.connections} streams at once", flush=True)
@@ -456,12 +198,12 @@ def run_capacity(args: argparse.Namespace, run_dir: Path, started: datetime) -> 
     report = {
         **report,
         "date": started.isoformat(),
-        "machine": machine_info(),
+        "machine": machine.summary(),
         "model": model,
         "target": args.url or "llmgate serve" + (" --enforce-eager" * args.enforce_eager),
         "versions": versions(),
     }
-    (run_dir / "summary.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_json(run_dir / "summary.json", report)
     print(capacity.format_report(report))
     print(f"results: {run_dir.relative_to(ROOT)}/summary.json")
     return 0
@@ -518,10 +260,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _raise_interrupt(signum: int, _frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.duration <= 0 or args.step_duration <= 0 or args.warmup < 0:
@@ -529,30 +267,29 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.seed_users, args.chat_users) < 1:
         raise SystemExit("--seed-users and --chat-users must be >= 1")
     # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the server is stopped.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGTERM, procs.raise_interrupt)
     started = datetime.now(UTC)
-    run_dir = RESULTS_ROOT / f"{started:%Y%m%dT%H%M%SZ}-loadtest"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = results_dir("loadtest", started)
     if args.scenario in CAPACITY_SCENARIOS:
         print(f"{args.scenario}; results: {run_dir}")
         return run_capacity(args, run_dir, started)
-    if args.scenario == BATCH:
-        from loadtest import batches
-
+    if args.scenario in (BATCH, SPILLOVER):
         print(f"{args.scenario}; results: {run_dir}")
-        report = batches.run(run_dir, args)
-        report |= {"date": started.isoformat(), "machine": machine_info(), "versions": versions()}
-        (run_dir / "summary.json").write_text(json.dumps(report, indent=2) + "\n")
-        print(batches.format_report(report))
-        return 0
-    if args.scenario == SPILLOVER:
-        from loadtest import spillover
+        if args.scenario == BATCH:
+            from loadtest import batches as scenario
 
-        print(f"{args.scenario}; results: {run_dir}")
-        report = spillover.run(run_dir, args.bursts, args.burst, args.burst_tokens)
-        report |= {"date": started.isoformat(), "machine": machine_info(), "versions": versions()}
-        (run_dir / "summary.json").write_text(json.dumps(report, indent=2) + "\n")
-        print(spillover.format_report(report))
+            report = scenario.run(run_dir, args)
+        else:
+            from loadtest import spillover as scenario
+
+            report = scenario.run(run_dir, args.bursts, args.burst, args.burst_tokens)
+        report |= {
+            "date": started.isoformat(),
+            "machine": machine.summary(),
+            "versions": versions(),
+        }
+        write_json(run_dir / "summary.json", report)
+        print(scenario.format_report(report))
         return 0
     if not args.web:
         runs = plan_runs(args)
@@ -561,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Summary] = []
     try:
         with target(args, run_dir) as url:
-            args.model = args.model or served_model(url)
+            args.model = args.model or procs.served_model(url)
             if args.web:
                 run_web(args, url, run_dir)
                 return 0
@@ -577,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             meta = {
                 "date": started.isoformat(),
                 "wall_s": round(time.monotonic() - wall, 1),
-                "machine": machine_info(),
+                "machine": machine.summary(),
                 "model": args.model,
                 "target": args.url or ("llmgate serve" + (" --enforce-eager" * args.enforce_eager)),
                 "engine": "external"

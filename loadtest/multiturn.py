@@ -43,10 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
-import random
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -56,13 +53,13 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest import targets
-from loadtest.closed_loop import percentile
-from loadtest.procs import await_ready, healthy_workers, launched, vllm_version
-from loadtest.report import write_json_and_csv
+from loadtest.conversations import Turn, run_policy
+from loadtest.machine import vllm_version
+from loadtest.percentiles import mean, percentile
+from loadtest.procs import await_ready, healthy_workers, launched
+from loadtest.report import ROOT, markdown_table, results_dir, write_json_and_csv
 from shared.ports import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS_ROOT = ROOT / "loadtest" / "results"
 POLICIES = ("prefix", "least-load", "round-robin")
 TARGET_TTFT_RATIO = 1.5
 # "Equal or better throughput": the arrivals and pauses, so the offered load,
@@ -70,25 +67,6 @@ TARGET_TTFT_RATIO = 1.5
 # tokens/s then differ only by when the run's last answer happens to end
 # (0.3% in the run of 2026-11-26 04:57), so within 2% counts as equal.
 EQUAL_THROUGHPUT = 0.98
-WORDS = (
-    "river mountain lantern copper orbit meadow harbor signal velvet quarry "
-    "falcon ember glacier thunder saddle marble cactus willow beacon prism "
-    "anchor canyon pepper violet tunnel orchard compass blossom timber "
-    "lagoon nickel parade summit walnut zephyr ribbon granite tulip cobalt"
-).split()
-
-
-@dataclass
-class Turn:
-    user: int
-    turn: int
-    ttft_s: float | None
-    latency_s: float
-    output_tokens: int
-    error: str | None = None
-    # The worker that answered, and when the turn was sent (seconds into the run).
-    worker: str = ""
-    started_s: float = 0.0
 
 
 @dataclass
@@ -114,118 +92,6 @@ class PolicyResult:
     # Mean number of this run's turns running on the answering worker when a
     # turn was sent: a pile-up on one worker shows here, a machine stall not.
     mean_load_at_send: float | None = None
-
-
-def text(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(words)) + "."
-
-
-def system_prompt(tag: str, words: int) -> str:
-    rng = random.Random(0)
-    return (
-        f"[{tag}] You are a patient assistant for a game of word associations. "
-        "Here are the rules and the vocabulary of the game: " + text(rng, words)
-    )
-
-
-def user_message(tag: str, user: int, turn: int, words: int) -> str:
-    rng = random.Random(f"{user}-{turn}")
-    return f"[{tag}] Player {user}, round {turn}: " + text(rng, words)
-
-
-def arrival_offsets(users: int, rate: float) -> list[float]:
-    """When each conversation starts, in seconds from the run's start.
-
-    0 for all with no rate (everyone at once); else a Poisson process of
-    ``rate`` a second, the same for every policy (a fixed seed).
-    """
-    if rate <= 0:
-        return [0.0] * users
-    rng = random.Random("arrivals")
-    offsets, at = [], 0.0
-    for _ in range(users):
-        offsets.append(at)
-        at += rng.expovariate(rate)
-    return offsets
-
-
-async def conversation(
-    client: httpx.AsyncClient,
-    args: argparse.Namespace,
-    tag: str,
-    user: int,
-    start_at: float,
-    run_start: float,
-) -> list[Turn]:
-    """One user's turns, from ``start_at`` seconds after ``run_start`` on."""
-    await asyncio.sleep(start_at)
-    messages: list[dict[str, Any]] = [
-        {"role": "system", "content": system_prompt(tag, args.system_words)}
-    ]
-    turns: list[Turn] = []
-    # The same pauses under every policy: a user reads, then types.
-    thinking = random.Random(f"think-{user}")
-    for turn in range(1, args.turns + 1):
-        if args.think_time > 0:
-            await asyncio.sleep(thinking.expovariate(1 / args.think_time))
-        messages.append({"role": "user", "content": user_message(tag, user, turn, args.user_words)})
-        body = {
-            "model": targets.MODEL,
-            "messages": messages,
-            "max_tokens": args.max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        start = time.perf_counter()
-        first: float | None = None
-        answer: list[str] = []
-        tokens = 0
-        error = None
-        worker = ""
-        try:
-            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                if response.status_code != 200:
-                    error = f"HTTP {response.status_code}"
-                    await response.aread()
-                else:
-                    worker = response.headers.get("x-llmgate-worker", "?")
-                    async for line in response.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[6:])
-                        for choice in chunk.get("choices", []):
-                            content = choice.get("delta", {}).get("content")
-                            if content:
-                                first = first or time.perf_counter()
-                                answer.append(content)
-                        if chunk.get("usage"):
-                            tokens = chunk["usage"]["completion_tokens"]
-        except httpx.HTTPError as exc:
-            error = type(exc).__name__
-        end = time.perf_counter()
-        ttft = first - start if first is not None else None
-        turns.append(Turn(user, turn, ttft, end - start, tokens, error, worker, start - run_start))
-        if error:
-            break
-        messages.append({"role": "assistant", "content": "".join(answer)})
-    return turns
-
-
-async def run_policy(url: str, args: argparse.Namespace, tag: str) -> tuple[list[Turn], float]:
-    limits = httpx.Limits(max_connections=args.users, max_keepalive_connections=args.users)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
-        offsets = arrival_offsets(args.users, args.arrival_rate)
-        started = time.perf_counter()
-        done = await asyncio.gather(
-            *(
-                conversation(client, args, tag, user, offsets[user], started)
-                for user in range(args.users)
-            )
-        )
-        seconds = time.perf_counter() - started
-    return [t for user_turns in done for t in user_turns], seconds
 
 
 def moved(turns: list[Turn]) -> list[Turn]:
@@ -275,9 +141,6 @@ def summarize(
     ttfts = [t.ttft_s * 1000 for t in ok if t.ttft_s is not None]
     later = [t.ttft_s * 1000 for t in ok if t.ttft_s is not None and t.turn > 1]
 
-    def mean(values: list[float]) -> float | None:
-        return sum(values) / len(values) if values else None
-
     return PolicyResult(
         policy=policy,
         requests=len(ok),
@@ -322,25 +185,41 @@ def gateway(policy: str, addresses: list[str], run_dir: Path) -> Any:
         yield url
 
 
+TABLE_HEADER = (
+    "policy",
+    "mean TTFT ms",
+    "p99 TTFT ms",
+    "mean TTFT turns 2+ ms",
+    "mean latency ms",
+    "req/s",
+    "tok/s",
+    "prefix-cache hit rate per worker",
+    "requests per worker",
+    "errors",
+)
+
+
 def format_table(results: list[PolicyResult]) -> str:
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value:,.0f}"
 
-    lines = [
-        "| policy | mean TTFT ms | p99 TTFT ms | mean TTFT turns 2+ ms | mean latency ms "
-        "| req/s | tok/s | prefix-cache hit rate per worker | requests per worker | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
+    def row(r: PolicyResult) -> list[str]:
         rates = ", ".join("-" if x is None else f"{x:.0%}" for x in r.prefix_cache_hit_rate)
         spread = ", ".join(f"{n}" for _, n in sorted(r.requests_per_worker.items()))
-        lines.append(
-            f"| {r.policy} | {ms(r.mean_ttft_ms)} | {ms(r.p99_ttft_ms)} | "
-            f"{ms(r.mean_ttft_later_turns_ms)} | {ms(r.mean_latency_ms)} | "
-            f"{r.requests_per_s:.2f} | {r.output_tokens_per_s:.1f} | {rates} | {spread} | "
-            f"{r.errors} |"
-        )
-    return "\n".join(lines)
+        return [
+            r.policy,
+            ms(r.mean_ttft_ms),
+            ms(r.p99_ttft_ms),
+            ms(r.mean_ttft_later_turns_ms),
+            ms(r.mean_latency_ms),
+            f"{r.requests_per_s:.2f}",
+            f"{r.output_tokens_per_s:.1f}",
+            rates,
+            spread,
+            f"{r.errors}",
+        ]
+
+    return markdown_table(TABLE_HEADER, map(row, results))
 
 
 def verdict(results: list[PolicyResult]) -> str | None:
@@ -405,8 +284,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ensure_model()
     started = datetime.now(UTC)
-    run_dir = RESULTS_ROOT / f"{started:%Y%m%dT%H%M%SZ}-multiturn"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = results_dir("multiturn", started)
     print(f"results and logs: {run_dir.relative_to(ROOT)}/", flush=True)
     engine = targets.Engine(args.enforce_eager, args.startup_timeout, block_size=args.block_size)
     results: list[PolicyResult] = []

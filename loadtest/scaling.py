@@ -37,23 +37,13 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from loadtest.overhead import (
-    CorePlan,
-    Scenario,
-    Target,
-    _stop_on_signals,
-    check_answer,
-    cpu_seconds,
-    machine,
-    run_wrk,
-    wrk_script,
-)
-from loadtest.procs import await_ready, healthy_workers, launched
-from loadtest.report import write_json_and_csv
+from loadtest import machine
+from loadtest.pinning import CorePlan
+from loadtest.procs import await_ready, healthy_workers, launched, stop_on_signals
+from loadtest.report import ROOT, markdown_table, results_dir, stamp, write_json_and_csv
+from loadtest.wrk import Scenario, Target, check_answer, cpu_seconds, run_wrk, wrk_script
 from shared.ports import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS_ROOT = ROOT / "loadtest" / "results"
 STARTUP_TIMEOUT = 60.0
 TARGET_EFFICIENCY = 0.9
 
@@ -205,17 +195,14 @@ COLUMNS = (
 
 def format_table(rows: list[Row]) -> str:
     """A Markdown table (docs/benchmarks.md takes it as printed)."""
-    lines = [
-        "| " + " | ".join(title for _, title, _ in COLUMNS) + " |",
-        "|" + "---|" * len(COLUMNS),
-    ]
-    for r in rows:
-        cells = []
-        for key, _, fmt in COLUMNS:
-            value = getattr(r, key)
-            cells.append("-" if value is None else fmt.format(value).strip())
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+
+    def cell(value: object, fmt: str) -> str:
+        return "-" if value is None else fmt.format(value).strip()
+
+    header = [title for _, title, _ in COLUMNS]
+    return markdown_table(
+        header, ([cell(getattr(r, k), fmt) for k, _, fmt in COLUMNS] for r in rows)
+    )
 
 
 def saturation(rows: list[Row]) -> list[str]:
@@ -278,19 +265,18 @@ def main(argv: list[str] | None = None) -> None:
     if shutil.which("wrk") is None:
         raise SystemExit("wrk is not installed: `make bench-scaling` installs it")
     chosen = layouts(args)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    out_dir = args.results_dir or RESULTS_ROOT / f"{stamp}-scaling"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    started = datetime.now(UTC)
+    out_dir = results_dir("scaling", started, args.results_dir)
     print(f"results: {out_dir}", flush=True)
     rows: list[Row] = []
-    with _stop_on_signals():
+    with stop_on_signals():
         for layout in chosen:
             rows.append(measure(layout, args, out_dir))
     rows = with_efficiency(rows)
     cores = sorted(os.sched_getaffinity(0))
     report = {
-        "started": stamp,
-        "machine": machine(cores),
+        "started": stamp(started),
+        "machine": machine.describe(cores),
         "settings": {k: str(v) for k, v in vars(args).items()},
         "rows": [asdict(r) for r in rows],
         "saturation": saturation(rows),

@@ -31,15 +31,14 @@ import sys
 import time
 import uuid
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-from loadtest.procs import await_ready, launched
+from loadtest.procs import await_ready, launched, served_model
+from loadtest.report import ROOT, results_dir, stamp, write_json
 from shared.ports import free_port, free_port_range
 
-ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT_S = 600.0
 # Prose to take sources from: the manual's paragraphs (no code, no tables).
 PROSE_PAGES = ("docs/index.md", "docs/getting-started.md", "docs/api.md", "docs/deploy.md")
@@ -208,9 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[500, 4000])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    run_dir = ROOT / "loadtest" / "results" / f"{stamp}-spans"
-    run_dir.mkdir(parents=True)
+    started = datetime.now(UTC)
+    run_dir = results_dir("spans", started)
     grammar = [measure_grammar(size, args.repeats) for size in args.sizes]
     port, base = free_port(), free_port_range(1)
     argv_serve = [
@@ -222,18 +220,18 @@ def main(argv: list[str] | None = None) -> None:
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ}
     with launched("llmgate serve", argv_serve, log_path, env=env, cwd=ROOT) as proc:
         await_ready("llmgate serve", proc, log_path, f"{url}/ready", STARTUP_TIMEOUT_S)
-        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        model = served_model(url)
         asyncio.run(measure_engine(url, model, 200, 1))  # warm-up
         engine = [asyncio.run(measure_engine(url, model, s, args.repeats)) for s in args.sizes]
     report = {
-        "date": stamp,
+        "date": stamp(started),
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "parameters": vars(args),
         "grammar": grammar,
         "engine": engine,
     }
-    (run_dir / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_json(run_dir / "results.json", report)
     print(
         f"{'chars':>6} {'rules':>6} {'build ms':>9} {'compile ms':>11} "
         f"{'mask ms/tok span/plain':>23} {'prefill s':>10} {'TTFT s span/plain':>18} "

@@ -18,7 +18,6 @@ run's directory.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -30,11 +29,12 @@ from typing import Any
 import httpx
 import msgspec
 
+from loadtest.percentiles import observed_percentile
 from loadtest.procs import await_ready, healthy_workers, launched
+from loadtest.report import ROOT, write_json
 from shared import config as pools_config
 from shared.ports import free_port, free_port_range
 
-ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "two-pools.yaml"
 STARTUP_TIMEOUT_S = 600.0
 # Queued requests wait for a slot instead of a 429 after the default 30 s:
@@ -46,11 +46,6 @@ QUEUE_TIMEOUT_S = "900"
 def without_spill(config: pools_config.Config) -> pools_config.Config:
     pools = [msgspec.structs.replace(p, spill_after=None) for p in config.pools]
     return msgspec.structs.replace(config, pools=pools)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 async def burst(url: str, model: str, count: int, tokens: int) -> list[dict[str, Any]]:
@@ -118,8 +113,8 @@ def measure(
         "statuses": dict(Counter(str(r["status"]) for r in results)),
         "by_pool": dict(Counter(r.get("pool", "") for r in ok)),
         "latency_mean_s": statistics.fmean(latencies) if latencies else None,
-        "latency_p50_s": percentile(latencies, 0.5) if latencies else None,
-        "latency_p99_s": percentile(latencies, 0.99) if latencies else None,
+        "latency_p50_s": observed_percentile(latencies, 0.5) if latencies else None,
+        "latency_p99_s": observed_percentile(latencies, 0.99) if latencies else None,
         "burst_wall_s": walls,
     }
 
@@ -134,7 +129,7 @@ def run(run_dir: Path, bursts: int, size: int, tokens: int) -> dict[str, Any]:
         modes.append(measure(mode, path, run_dir, bursts, size, tokens))
     report = {"config": str(EXAMPLE.relative_to(ROOT)), "burst": size, "tokens": tokens}
     report["modes"] = modes
-    (run_dir / "summary.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_json(run_dir / "summary.json", report)
     return report
 
 

@@ -32,11 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loadtest.procs import await_ready, healthy_workers, launched
+from loadtest.report import ROOT
 from serve.plan import cpu_slices
 from shared.embedded import SERVED_MODEL_NAME, default_model_dir
 from shared.ports import free_port, free_port_range
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = SERVED_MODEL_NAME
 TARGETS = (
     "llmgate-1",

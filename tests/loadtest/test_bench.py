@@ -22,7 +22,6 @@ from loadtest.closed_loop import (
     chunk_text,
     completion_payload,
     parse_sse_line,
-    percentile,
     run_closed_loop,
     summarize,
     usage_tokens,
@@ -31,13 +30,6 @@ from loadtest.closed_loop import (
 
 def stats(target: str, rps: float, ok: int = 10) -> Stats:
     return Stats(target, rps, rps * 10, 100.0, 200.0, 50.0, 5.0, ok, 0, 10.0)
-
-
-def test_percentile_interpolates_like_numpy() -> None:
-    assert percentile([], 50) is None
-    assert percentile([3.0], 99) == 3.0
-    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
-    assert percentile([float(i) for i in range(101)], 99) == pytest.approx(99.0)
 
 
 def test_sample_ttft_and_inter_token_gaps_come_from_text_events() -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtest import loadtest
-from loadtest.loadtest import LocustSummary, Run, Stats, Summary
+from loadtest import loadtest, locust_runs
+from loadtest.locust_runs import LocustSummary, Run, Stats, Summary
 from loadtest.plot import plot_sweep, sweep_points
 
 
@@ -19,7 +19,7 @@ def args(*argv: str) -> argparse.Namespace:
 
 
 def test_all_scenarios_run_in_order_with_the_issues_user_counts() -> None:
-    runs = loadtest.plan_runs(args())
+    runs = locust_runs.plan_runs(args())
     assert [(r.name, r.user_class, r.users) for r in runs] == [
         ("seed", "SeedUser", 40),
         ("chat-stream", "ChatStreamUser", 40),
@@ -32,11 +32,11 @@ def test_all_scenarios_run_in_order_with_the_issues_user_counts() -> None:
 
 def test_the_default_plan_leaves_room_for_a_compiled_start_within_15_minutes() -> None:
     # A compiled llmgate start takes about 2.5 minutes on the 2-core machine.
-    assert loadtest.planned_seconds(loadtest.plan_runs(args())) <= 10 * 60
+    assert locust_runs.planned_seconds(locust_runs.plan_runs(args())) <= 10 * 60
 
 
 def test_one_scenario_and_custom_sweep() -> None:
-    runs = loadtest.plan_runs(
+    runs = locust_runs.plan_runs(
         args("--scenario", "sweep", "--sweep-users", "2,5", "--step-duration", "7")
     )
     assert [(r.name, r.users, r.duration) for r in runs] == [
@@ -52,7 +52,7 @@ def test_sweep_users_must_be_positive() -> None:
 
 def test_locust_runs_headless_closed_loop_with_warmup_and_reports(tmp_path: Path) -> None:
     run = Run("sweep-64", "sweep", "SeedUser", 64, warmup=20, duration=60)
-    argv = loadtest.locust_argv(run, "http://h:1", tmp_path / "sweep-64", args("--model", "m"))
+    argv = locust_runs.locust_argv(run, "http://h:1", tmp_path / "sweep-64", args("--model", "m"))
     assert argv[1:3] == ["-m", "locust"]
     assert argv[-1] == "SeedUser"
 
@@ -71,7 +71,7 @@ def test_locust_runs_headless_closed_loop_with_warmup_and_reports(tmp_path: Path
 
 
 def test_web_mode_has_no_run_time_and_lets_the_user_pick_classes(tmp_path: Path) -> None:
-    argv = loadtest.web_argv("http://h:1", tmp_path / "web", args("--web", "--web-port", "9000"))
+    argv = locust_runs.web_argv("http://h:1", tmp_path / "web", args("--web", "--web-port", "9000"))
     assert "--headless" not in argv and "--run-time" not in argv
     assert "--class-picker" in argv
     assert argv[argv.index("--web-port") + 1] == "9000"
@@ -112,7 +112,7 @@ LOCUST_SUMMARY = {
 
 
 def test_summary_json_is_parsed_by_request_name() -> None:
-    parsed = loadtest.parse_locust_summary(json.dumps(LOCUST_SUMMARY))
+    parsed = locust_runs.parse_locust_summary(json.dumps(LOCUST_SUMMARY))
     assert parsed.window_s == 50.0
     assert parsed.stats["TTFT"] == Stats("TTFT", 100, 0, 900.5, 880, 1500)
     assert set(parsed.stats) == {"/v1/chat/completions (stream)", "TTFT", "ITL"}
@@ -120,7 +120,7 @@ def test_summary_json_is_parsed_by_request_name() -> None:
 
 def test_throughput_counts_successes_over_the_measured_window() -> None:
     run = Run("chat-stream", "chat-stream", "ChatStreamUser", 40, warmup=20, duration=60)
-    row = loadtest.summarize(run, loadtest.parse_locust_summary(json.dumps(LOCUST_SUMMARY)))
+    row = locust_runs.summarize(run, locust_runs.parse_locust_summary(json.dumps(LOCUST_SUMMARY)))
     # 100 successes in the 50 s window Locust measured, not the 60 s planned.
     assert row.requests_per_s == pytest.approx(2.0)
     assert (row.requests, row.failures, row.p50_ms, row.p99_ms) == (110, 10, 4900, 6100)
@@ -133,14 +133,14 @@ def test_seed_runs_read_the_completions_row_and_have_no_ttft() -> None:
         "Aggregated": Stats("Aggregated", 300, 0, 3000.0, 3000, 3600),
     }
     run = Run("seed", "seed", "SeedUser", 40, warmup=20, duration=60)
-    row = loadtest.summarize(run, LocustSummary(window_s=60.0, stats=stats))
+    row = locust_runs.summarize(run, LocustSummary(window_s=60.0, stats=stats))
     assert row.requests_per_s == pytest.approx(5.0)
     assert row.ttft_mean_ms is None and row.itl_mean_ms is None
 
 
 def test_a_run_without_its_request_reports_zero() -> None:
     run = Run("seed", "seed", "SeedUser", 40, warmup=20, duration=60)
-    row = loadtest.summarize(run, LocustSummary(window_s=60.0, stats={}))
+    row = locust_runs.summarize(run, LocustSummary(window_s=60.0, stats={}))
     assert (row.requests, row.requests_per_s, row.p50_ms) == (0, 0.0, None)
 
 

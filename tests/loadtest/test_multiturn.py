@@ -7,16 +7,7 @@ import httpx
 import pytest
 
 from loadtest import multiturn
-from loadtest.multiturn import Turn
-
-
-def test_texts_are_the_same_for_a_user_and_turn_and_differ_otherwise() -> None:
-    a = multiturn.user_message("run", 1, 2, 30)
-    assert a == multiturn.user_message("run", 1, 2, 30)
-    assert a != multiturn.user_message("run", 2, 2, 30)
-    assert a != multiturn.user_message("other run", 1, 2, 30)
-    # Each run's system prompt starts with its tag: no run reuses another's cache.
-    assert multiturn.system_prompt("x", 10).startswith("[x]")
+from loadtest.conversations import Turn
 
 
 def test_summary_of_turns() -> None:
@@ -60,17 +51,6 @@ def test_prefix_counters_are_read_from_vllms_metrics(monkeypatch: pytest.MonkeyP
     )
     monkeypatch.setattr(multiturn.httpx, "get", lambda *_a, **_k: httpx.Response(200, text=page))
     assert multiturn.prefix_counters("http://worker/metrics") == (1000.0, 250.0)
-
-
-def test_arrivals_are_all_at_once_without_a_rate_and_a_fixed_poisson_process_with_one() -> None:
-    assert multiturn.arrival_offsets(3, 0) == [0.0, 0.0, 0.0]
-    offsets = multiturn.arrival_offsets(400, 0.5)
-    # The same times under every policy (and every run), in order, starting at once.
-    assert offsets == multiturn.arrival_offsets(400, 0.5)
-    assert offsets[0] == 0.0 and offsets == sorted(offsets)
-    # Mean gap 1/rate = 2 s; over 399 gaps of this fixed draw, well within 20%.
-    mean_gap = offsets[-1] / (len(offsets) - 1)
-    assert 1.6 < mean_gap < 2.4
 
 
 def test_turns_that_moved_worker_and_the_load_each_turn_met() -> None:

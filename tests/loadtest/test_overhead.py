@@ -1,10 +1,10 @@
-"""The gateway-overhead harness: its pure parts, its two zero-cost backends, and one real hop.
+"""The gateway-overhead harness: its two zero-cost backends, and one real hop.
 
-``loadtest.overhead``'s arithmetic (pinning, wrk's script and output,
-added latency, min/median/max, the issue's targets, profiles) is tested on
-made-up figures. The FAKE engine (``loadtest.fake_engine``) and the zero-cost
-HTTP backend (``loadtest.zero_cost_http``) are checked to answer exactly the
-tokens they promise, and the fake worker to answer through a real gateway.
+Its arithmetic is tested module by module on made-up figures (test_pinning,
+test_wrk, test_overhead_report, test_profiles). The FAKE engine
+(``loadtest.fake_engine``) and the zero-cost HTTP backend
+(``loadtest.zero_cost_http``) are checked to answer exactly the tokens they
+promise, and the fake worker to answer through a real gateway.
 The measuring itself is a run of ``python -m loadtest.overhead``, not a test.
 """
 
@@ -24,246 +24,16 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest import overhead
+from loadtest import wrk
 from loadtest.fake_engine import TOKEN_TEXT, FakeEngine
-from loadtest.overhead import CorePlan, Run, Scenario, Spread
+from loadtest.overhead_servers import start_llmgate
+from loadtest.pinning import plan_cores
+from loadtest.wrk import Scenario
 from loadtest.zero_cost_http import ZeroCostApp
 from shared import protocol
 from tests.conftest import ROOT, Served, free_port, start_gateway, stop_serve
 
 MODEL = "smollm2-135m-instruct"
-
-# --- pinning ----------------------------------------------------------------
-
-
-def test_one_core_is_shared_by_all() -> None:
-    assert overhead.plan_cores([0]) == CorePlan((0,), (0,), (0,))
-
-
-def test_two_cores_give_the_proxy_one_of_its_own() -> None:
-    assert overhead.plan_cores([1, 0]) == CorePlan((1,), (0,), (0,))
-
-
-def test_more_cores_separate_backend_and_load_generator() -> None:
-    assert overhead.plan_cores([0, 1, 2]) == CorePlan((2,), (1,), (0,))
-    assert overhead.plan_cores(range(8)) == CorePlan((7,), (6,), (0, 1, 2, 3, 4, 5))
-
-
-def test_pinned_prefixes_taskset() -> None:
-    argv = overhead.pinned((0, 2), ["wrk", "-c1"])
-    assert argv[-5:] == ["taskset", "-c", "0,2", "wrk", "-c1"]
-    if os.geteuid() == 0:  # root also raises the measured processes' priority
-        assert argv[:3] == ["nice", "-n", str(overhead.NICENESS)]
-
-
-# --- wrk ----------------------------------------------------------------------
-
-
-def test_scenarios_ask_for_what_they_measure() -> None:
-    by_name = overhead.scenarios(connections=32, stream_tokens=8)
-    assert by_name["latency"] == Scenario("latency", 1, False, 1)
-    assert by_name["throughput"].connections == 32
-    body = json.loads(by_name["stream"].body())
-    assert body["stream"] is True and body["max_tokens"] == 8 and body["model"] == MODEL
-
-
-def test_wrk_script_posts_the_body_and_prints_json() -> None:
-    script = overhead.wrk_script(b'{"prompt":"a \\"quoted\\" word"}')
-    assert 'wrk.method = "POST"' in script
-    assert 'wrk.body = [==[{"prompt":"a \\"quoted\\" word"}]==]' in script
-    assert "done = function(summary, latency, requests)" in script
-    with pytest.raises(ValueError):
-        overhead.wrk_script(b'{"prompt":"]==]"}')
-
-
-def test_parse_wrk_reads_the_marker_line() -> None:
-    output = "Running 1s test\n" + overhead.WRK_MARKER + '{"requests":10,"errors_status":2}\n'
-    figures = overhead.parse_wrk(output)
-    assert figures["requests"] == 10
-    assert overhead.wrk_errors({"requests": 10, "errors_status": 2, "errors_read": 1}) == 3
-    with pytest.raises(ValueError):
-        overhead.parse_wrk("Running 1s test\n")
-
-
-def test_wrk_script_runs_under_wrk(tmp_path: Path) -> None:
-    """The Lua really runs: wrk POSTs the body and prints one parseable JSON line."""
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "loadtest.zero_cost_http", "--port", str(port)], cwd=ROOT
-    )
-    try:
-        _wait_http(f"http://127.0.0.1:{port}/health")
-        script = tmp_path / "s.lua"
-        script.write_text(overhead.wrk_script(Scenario("t", 1, False, 3).body()))
-        done = subprocess.run(
-            [
-                "wrk",
-                "-t1",
-                "-c1",
-                "-d1s",
-                "-s",
-                str(script),
-                f"http://127.0.0.1:{port}/v1/completions",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-    finally:
-        server.terminate()
-        server.wait(10)
-    figures = overhead.parse_wrk(done.stdout)
-    assert figures["requests"] > 0 and overhead.wrk_errors(figures) == 0
-    assert 0 < figures["latency_mean_us"] < 1e6
-
-
-def test_status_field_reads_proc_status() -> None:
-    text = "Name:\tpython\nVmHWM:\t  123456 kB\nVmRSS:\t  100000 kB\n"
-    assert overhead.status_field(text, "VmHWM") == 123456
-    assert overhead.status_field(text, "VmRSS") == 100000
-    with pytest.raises(ValueError):
-        overhead.status_field(text, "VmSwap")
-
-
-# --- summary ------------------------------------------------------------------
-
-
-def _run(target: str, scenario: str, repeat: int, **figures: float) -> Run:
-    base: dict[str, float] = {
-        "requests_per_s": 1000.0,
-        "tokens_per_s": 0.0,
-        "latency_mean_us": 100.0,
-        "loadgen_cpu_util": 0.1,
-        "backend_cpu_util": 0.5,
-        "other_cpu_util": 0.0,
-    }
-    base.update(figures)
-    proxy: dict[str, float | None] = {}
-    if target != "direct":
-        proxy = {
-            "proxy_cpu_util": base.pop("proxy_cpu_util", 1.0),
-            "requests_per_proxy_core_s": base.pop("requests_per_proxy_core_s", 1000.0),
-            "tokens_per_proxy_core_s": base.pop("tokens_per_proxy_core_s", None),
-            "proxy_cpu_s_per_1k_requests": 1.0,
-            "proxy_rss_mib": 50.0,
-            "proxy_peak_rss_mib": 60.0,
-        }
-    return Run(
-        target=target,
-        scenario=scenario,
-        repeat=repeat,
-        connections=1,
-        tokens_per_request=1,
-        seconds=5.0,
-        requests=5000,
-        errors=0,
-        latency_p50_us=base["latency_mean_us"],
-        latency_p99_us=base["latency_mean_us"] * 2,
-        latency_max_us=base["latency_mean_us"] * 3,
-        **base,
-        **proxy,
-    )
-
-
-def test_added_latency_pairs_each_proxy_with_direct_of_the_same_repeat() -> None:
-    runs = [
-        _run("direct", "latency", 1, latency_mean_us=100),
-        _run("llmgate", "latency", 1, latency_mean_us=220),
-        _run("direct", "latency", 2, latency_mean_us=140),
-        _run("llmgate", "latency", 2, latency_mean_us=250),
-        _run("llmgate", "throughput", 1, latency_mean_us=9999),
-    ]
-    assert overhead.added_latency(runs) == {("llmgate", 1): 120, ("llmgate", 2): 110}
-
-
-def test_summarize_gives_min_median_max_over_repeats() -> None:
-    runs = [_run("llmgate", "throughput", i, requests_per_s=rps) for i, rps in enumerate((3, 1, 2))]
-    summary = overhead.summarize(runs)
-    assert summary[("throughput", "llmgate")]["requests_per_s"] == Spread(1, 2, 3, 3)
-    # Non-streaming runs have no tokens/s figure, and no added latency outside "latency".
-    assert "tokens_per_s" not in summary[("throughput", "llmgate")]
-    assert "added_latency_us" not in summary[("throughput", "llmgate")]
-
-
-def _summary_for_verdicts(added: float, rps: float, tokens: float) -> list[overhead.Verdict]:
-    runs = []
-    for repeat in (1, 2, 3):
-        runs += [
-            _run("direct", "latency", repeat, latency_mean_us=100),
-            _run("llmgate", "latency", repeat, latency_mean_us=100 + added),
-            _run("vllm-router", "latency", repeat, latency_mean_us=350),
-            _run(
-                "llmgate", "throughput", repeat, requests_per_s=rps, requests_per_proxy_core_s=rps
-            ),
-            _run(
-                "vllm-router",
-                "throughput",
-                repeat,
-                requests_per_s=10_000,
-                requests_per_proxy_core_s=10_000,
-            ),
-            _run("llmgate", "stream", repeat, tokens_per_s=tokens, tokens_per_proxy_core_s=tokens),
-        ]
-    return overhead.verdicts(overhead.summarize(runs))
-
-
-def test_verdicts_pass_at_the_targets() -> None:
-    judged = _summary_for_verdicts(added=150, rps=5000, tokens=50_000)
-    assert [v.passed for v in judged] == [True, True, True, True]
-    assert judged[0].note == "vllm-router adds 250"
-
-
-def test_verdicts_miss_below_the_targets() -> None:
-    judged = _summary_for_verdicts(added=151, rps=4999, tokens=49_999)
-    assert [v.passed for v in judged] == [False, False, False, False]
-    assert judged[1].measured == pytest.approx(0.4999)
-
-
-def test_verdicts_without_a_router_are_not_judged() -> None:
-    summary = overhead.summarize([_run("llmgate", "throughput", 1)])
-    ratios = [v for v in overhead.verdicts(summary) if "vllm-router" in v.name]
-    assert ratios and all(v.passed is None for v in ratios)
-
-
-def test_format_table_shows_median_and_range_per_target() -> None:
-    runs = [
-        _run(t, "latency", r, latency_mean_us=100 + r)
-        for t in ("direct", "llmgate")
-        for r in (1, 2, 3)
-    ]
-    table = overhead.format_table(overhead.summarize(runs))
-    header, *rows = table.splitlines()
-    assert header.split() == ["latency", "direct", "llmgate"]
-    mean_row = next(r for r in rows if "latency mean" in r)
-    assert "102 [101-103]" in mean_row
-
-
-# --- profiles -----------------------------------------------------------------
-
-COLLAPSED = """\
-main (a.py:1);run (uvicorn/server.py:10);handle (gateway/api/openai.py:5) 6
-main (a.py:1);run (uvicorn/server.py:10);encode (gateway/sse.py:3) 3
-main (a.py:1);select (selectors.py:9) 1
-"""
-
-
-def test_top_frames_counts_self_time_at_the_leaf() -> None:
-    frames, samples = overhead.top_frames(COLLAPSED)
-    assert samples == 10
-    assert frames[0] == ("handle (gateway/api/openai.py:5)", 0.6)
-    assert frames[1] == ("encode (gateway/sse.py:3)", 0.3)
-
-
-def test_self_by_component_splits_all_time_between_our_files_and_packages() -> None:
-    shares = dict(overhead.self_by_component(COLLAPSED))
-    assert shares == {"gateway/api/openai.py": 0.6, "gateway/sse.py": 0.3, "selectors": 0.1}
-
-
-def test_inclusive_by_file_counts_each_stack_once() -> None:
-    shares = dict(overhead.inclusive_by_file(COLLAPSED))
-    assert shares["a.py"] == 1.0
-    assert shares["uvicorn/server.py"] == 0.9
-    assert shares["gateway/sse.py"] == 0.3
 
 
 # --- the FAKE engine ------------------------------------------------------------
@@ -357,18 +127,6 @@ async def test_zero_cost_http_serves_models_health_and_404() -> None:
 # --- one real hop: the fake worker behind a real gateway --------------------------
 
 
-def _wait_http(url: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} not up after {timeout}s")
-
-
 @pytest.fixture(scope="module")
 def fake_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     address = f"tcp://127.0.0.1:{free_port()}"
@@ -406,7 +164,7 @@ def test_fake_worker_answers_through_the_gateway(fake_gateway: Served) -> None:
 
 def test_fake_worker_streams_through_the_gateway(fake_gateway: Served) -> None:
     """What the harness's check_answer accepts: one SSE chunk per token, then [DONE]."""
-    overhead.check_answer(fake_gateway.base_url, Scenario("stream", 1, True, 7))
+    wrk.check_answer(fake_gateway.base_url, Scenario("stream", 1, True, 7))
     response = httpx.post(
         f"{fake_gateway.base_url}/v1/chat/completions",
         json={
@@ -449,11 +207,11 @@ def test_many_concurrent_requests_all_complete(fake_gateway: Served) -> None:
 def test_the_ipc_target_links_gateway_and_worker_by_a_unix_socket(tmp_path: Path) -> None:
     """``--targets ...,llmgate-ipc``: the same hop over ``ipc://``, its socket
     removed when the harness stops."""
-    plan = overhead.plan_cores(sorted(os.sched_getaffinity(0)))
+    plan = plan_cores(sorted(os.sched_getaffinity(0)))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with contextlib.ExitStack() as stack:
-        target = overhead.start_llmgate(stack, "llmgate-ipc", plan, tmp_path, env)
-        overhead.check_answer(target.url, Scenario("stream", 1, True, 3))
+        target = start_llmgate(stack, "llmgate-ipc", plan, tmp_path, env)
+        wrk.check_answer(target.url, Scenario("stream", 1, True, 3))
         metrics = httpx.get(f"{target.url}/metrics", timeout=10).text
         (healthy,) = [
             sample

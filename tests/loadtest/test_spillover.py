@@ -15,10 +15,3 @@ def test_the_no_spill_config_is_the_example_without_spill_after() -> None:
     assert all(p.spill_after is None for p in off.pools)
     pools = [msgspec.structs.replace(p, spill_after=None) for p in example.pools]
     assert off == msgspec.structs.replace(example, pools=pools)
-
-
-def test_percentiles_pick_observed_values() -> None:
-    values = [float(v) for v in range(1, 101)]
-    assert spillover.percentile(values, 0.5) in (50.0, 51.0)
-    assert spillover.percentile(values, 0.99) == 99.0
-    assert spillover.percentile([3.0], 0.99) == 3.0
