@@ -11,15 +11,21 @@ install:
 run: install
 	$(VENV)/bin/llmgate serve $(ARGS)
 
-# The cache tests start a real Redis and the overhead harness's test runs wrk:
-# Debian's redis-server and wrk, installed when missing.
+# The cache tests start a real Redis, the state store's tests a real PostgreSQL
+# (tests/integration/postgres_server.py runs the server binaries, which are off
+# the PATH), and the overhead harness's test runs wrk: Debian's redis-server,
+# postgresql and wrk, installed when missing.
+POSTGRES_SERVER := '/usr/lib/postgresql/*/bin/postgres'
+
 test: install
 	@scripts/debian-package.sh redis-server
+	@scripts/debian-package.sh $(POSTGRES_SERVER) postgresql
 	@scripts/debian-package.sh wrk
 	$(PYTEST) $(PYTEST_ARGS)
 
 test-fast: install
 	@scripts/debian-package.sh redis-server
+	@scripts/debian-package.sh $(POSTGRES_SERVER) postgresql
 	@scripts/debian-package.sh wrk
 	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
 

@@ -26,6 +26,7 @@ from gateway.cache import merge_config, open_cache
 from gateway.models import Models
 from gateway.pool import Pool
 from gateway.routes import render
+from gateway.state import State
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -75,9 +76,13 @@ def create_api(settings: GatewaySettings) -> FastAPI:
         app.state.cache = cache = open_cache(
             cached.cache, cached.cache_ttl, cached.cache_max_bytes, cached.cache_scope
         )
-        # Files and batch jobs; the runner sends its lines through the app above.
+        # Files, batch jobs, stored responses: the store every replica shares
+        # (gateway.state); it connects in the background and /ready waits for it.
+        app.state.store = store = State(settings)
+        store.start()
+        # The runner sends its lines through the app above.
         app.state.batches = batches = batch.start(
-            settings, app.state.requests_app, pool.capacity, pool.interactive_since
+            settings, store, app.state.requests_app, pool.capacity, pool.interactive_since
         )
         # What start-up built (FastAPI, pydantic, routes) lives as long as the
         # process: frozen, the cyclic collector stops walking it again every
@@ -87,6 +92,7 @@ def create_api(settings: GatewaySettings) -> FastAPI:
             yield
         finally:
             await batches.stop()
+            await store.stop()
             if cache is not None:
                 await cache.close()
             await pool.stop()

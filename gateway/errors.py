@@ -10,7 +10,8 @@ Every error a client can see is a :class:`GatewayError`:
     │   └── ModelNotFound            (404 invalid_request_error, code model_not_found)
     ├── Overloaded                   (429 rate_limit_exceeded, Retry-After)
     ├── NoWorker                     (503 service_unavailable, Retry-After)
-    │   └── ModelNotReady            (503 service_unavailable, code model_not_ready)
+    │   ├── ModelNotReady            (503 service_unavailable, code model_not_ready)
+    │   └── StateUnavailable         (503 service_unavailable, code state_store_unavailable)
     ├── UpstreamFailed               (502 api_error: a worker died or broke mid-request)
     └── Timeout                      (504 timeout)
 
@@ -26,8 +27,6 @@ A ``Failed`` message from a worker becomes the subclass for its status via
 from __future__ import annotations
 
 from typing import Any, ClassVar
-
-import msgspec
 
 # Seconds a 503 for want of a worker tells the client to wait (Retry-After):
 # a worker that is starting takes tens of seconds, a restart about as long.
@@ -56,9 +55,6 @@ class GatewayError(Exception):
                 "code": self.code,
             }
         }
-
-    def json(self) -> bytes:
-        return msgspec.json.encode(self.body())
 
 
 class BadRequest(GatewayError):
@@ -135,6 +131,12 @@ class ModelNotReady(NoWorker):
         else:
             why = "it is starting, and no worker serves it yet"
         return cls(f"The model `{model}` is not ready: {why}; try again shortly.", "model")
+
+
+class StateUnavailable(NoWorker):
+    """The state store (files, batches, stored responses) does not answer."""
+
+    code = "state_store_unavailable"
 
 
 class UpstreamFailed(GatewayError):

@@ -64,6 +64,12 @@ def main(argv: list[str] | None = None) -> None:
     problem = check_cache_settings(cached.cache, cached.cache_scope)
     if problem:
         settings.refuse(f"llmgate gateway: {problem}")
+    if gateway.state_db:
+        from gateway.state import check_url
+
+        problem = check_url(gateway.state_db)
+        if problem:
+            settings.refuse(f"llmgate gateway: {problem}")
     # The app factory reads its settings from the environment, in this
     # process or in uvicorn's worker processes alike.
     os.environ.update(settings.to_environment(gateway))

@@ -196,10 +196,9 @@ class Models:
             if headers.get(name.lower()) != value:
                 return False
         if rule.max_tokens_over is not None:
+            # TGI's routes arrive here as the completions body they run
+            # (gateway.tgi.to_completion): max_new_tokens is max_tokens by now.
             asked = raw.get("max_tokens") or raw.get("max_completion_tokens")
-            parameters = raw.get("parameters")
-            if asked is None and isinstance(parameters, dict):
-                asked = parameters.get("max_new_tokens")  # TGI
             if not isinstance(asked, int) or asked <= rule.max_tokens_over:
                 return False
         if rule.prompt_tokens_over is not None:
@@ -210,7 +209,7 @@ class Models:
     def prompt_tokens(self, raw: dict[str, Any]) -> int:
         """The prompt's length in tokens: of a chat, its messages' text (without
         the chat template's own tokens); token-id prompts count as given."""
-        prompt = raw.get("prompt", raw.get("inputs"))
+        prompt = raw.get("prompt")
         texts: list[str] = []
         ids = 0
         if isinstance(prompt, str):

@@ -26,7 +26,8 @@ import msgspec
 from fastapi import FastAPI
 from starlette.responses import Response
 
-from gateway import errors, schemas, sse, tgi
+from gateway import errors, schemas, tgi
+from gateway.jsonresp import json_response
 from shared import routes
 from shared.routes import Dialect, Method, Route
 
@@ -110,15 +111,5 @@ def dialect_of(path: str) -> Dialect:
 def render(error: errors.GatewayError, path: str = "") -> Response:
     """``error`` as the response a client of ``path`` expects (TGI's or OpenAI's body)."""
     if dialect_of(path) == "tgi":
-        return Response(
-            sse.encode(tgi.error_body(error)),
-            status_code=tgi.error_status(error),
-            headers=error.headers(),
-            media_type="application/json",
-        )
-    return Response(
-        error.json(),
-        status_code=error.status,
-        headers=error.headers(),
-        media_type="application/json",
-    )
+        return json_response(tgi.error_body(error), tgi.error_status(error), error.headers())
+    return json_response(error.body(), error.status, error.headers())

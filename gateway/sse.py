@@ -13,12 +13,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import msgspec
-
 from gateway.errors import GatewayError
+from gateway.jsonresp import encode
 from shared import protocol
-
-encode = msgspec.json.encode
 
 DONE = b"data: [DONE]\n\n"
 

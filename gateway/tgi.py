@@ -40,7 +40,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from gateway import errors, sse
-from gateway.sse import encode, event
+from gateway.jsonresp import encode
+from gateway.sse import event
 from shared import protocol
 
 DEFAULT_MAX_NEW_TOKENS = 100

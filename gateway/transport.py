@@ -62,7 +62,6 @@ class WorkerLink:
         # To recognise our own pings coming back (a TCP self-connect).
         self._worker_decoder = protocol.worker_decoder()
         self._gateway_id = identity.decode(errors="replace")
-        self.self_connects = 0
         self._on_message = on_message
         self._on_disconnect = on_disconnect
         self._on_connect = on_connect
@@ -158,7 +157,6 @@ class WorkerLink:
         where nothing listens yet, the socket may get that very port as its
         own end and connect to itself. It then holds the worker's port (the
         worker cannot bind it) and hears its own pings. Hang up and dial again."""
-        self.self_connects += 1
         log.warning(
             "the link to %s connected to itself (TCP self-connect: nothing listened there "
             "yet and the port is in the kernel's ephemeral range): dialing again; "

@@ -89,7 +89,8 @@ CacheScope = Annotated[
 StateDir = Annotated[
     str,
     _help(
-        "directory for uploaded files and batch jobs (survives restarts); "
+        "directory for the state store's SQLite database (files, batch jobs, stored "
+        "responses; survives restarts) when no --state-db is given; "
         "empty = $XDG_STATE_HOME/llmgate, else ~/.local/state/llmgate"
     ),
 ]
@@ -226,6 +227,22 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     cache_max_bytes: CacheMaxBytes = 256 * 1024 * 1024
     cache_scope: CacheScope = "deterministic"
     state_dir: StateDir = ""
+    state_db: Annotated[
+        str,
+        _help(
+            "PostgreSQL URL (postgresql://USER:PASSWORD@HOST:PORT/DB) of the state store "
+            "every gateway replica shares: files, batch jobs, stored responses; empty = "
+            "SQLite in --state-dir, shared by the gateway processes of one host"
+        ),
+    ] = ""
+    responses_days: Annotated[
+        float,
+        _help("days a stored response (Responses API, store: true) is kept, as OpenAI's 30"),
+    ] = 30.0
+    batch_output_days: Annotated[
+        float,
+        _help("days a batch's output and error files are kept; 0 = until deleted"),
+    ] = 30.0
     batch_max_inflight: BatchMaxInflight = 0
     max_file_bytes: MaxFileBytes = 200 * 1024 * 1024
 

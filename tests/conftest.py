@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from shared.ports import free_port, free_port_range
+from tests.integration.postgres_server import PostgresServer
 from tests.stall_watch import LoopWatch, StallWatch, report, watched_policy
 
 MODEL = "smollm2-135m-instruct"
@@ -181,6 +182,19 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 @pytest.fixture(scope="session")
 def base_url(served: Served) -> str:
     return served.base_url
+
+
+@pytest.fixture(scope="session")
+def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresServer]:
+    """One real PostgreSQL for the session (Debian's, tests/integration/postgres_server.py),
+    started the first time a test asks for it; each test takes a database of its
+    own with ``postgres_server.create_database(name)``."""
+    server = PostgresServer(tmp_path_factory.mktemp("postgres"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.remove()
 
 
 _watch = StallWatch()

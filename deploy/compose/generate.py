@@ -16,7 +16,9 @@ Profiles: ``gpu`` (the per-GPU workers), ``cpu`` (one CPU worker; runs
 anywhere), ``monitoring`` (Prometheus + Grafana with the llmgate dashboard),
 ``redis`` (a Redis for the response cache all gateway processes share, with
 ``GATEWAY_CACHE=redis://redis:6379/0``). The gateway has no profile and
-always starts.
+always starts, after ``postgres``: the state store (uploaded files, batch
+jobs, stored responses) that the gateway's processes share, a demo
+PostgreSQL whose password is ``POSTGRES_PASSWORD`` (default ``llmgate``).
 
 Pools (``--config FILE``, docs/models.md): one worker
 service per worker of each pool, named ``worker-<pool>-<i>``, with the pool's
@@ -50,6 +52,9 @@ HEADER = """\
 #   docker compose -f deploy/compose/compose.yaml --profile cpu up -d   # no GPU
 #   ... --profile monitoring   # + Prometheus :9090, Grafana :3000
 #   GATEWAY_CACHE=redis://redis:6379/0 ... --profile redis   # + a shared response cache
+#
+# The state store is the `postgres` service, a demo: its password is
+# POSTGRES_PASSWORD (default llmgate; letters and digits, it goes into a URL).
 name: llmgate
 
 x-worker: &worker
@@ -113,13 +118,36 @@ services:
       LLMGATE_CACHE: ${{GATEWAY_CACHE:-}}
       LLMGATE_CACHE_TTL: ${{GATEWAY_CACHE_TTL:-3600}}
       LLMGATE_CACHE_SCOPE: ${{GATEWAY_CACHE_SCOPE:-deterministic}}
+      # Uploaded files, batch jobs and stored responses: the postgres service.
+      LLMGATE_STATE_DB: postgresql://llmgate:${{POSTGRES_PASSWORD:-llmgate}}@postgres:5432/llmgate
     volumes:
       - ./keys:/etc/llmgate/keys:ro
-      # Uploaded files and batch jobs (LLMGATE_STATE_DIR): kept across restarts.
-      - gateway-state:/var/lib/llmgate
     ports:
       - "${{GATEWAY_PORT:-8000}}:8000"
     stop_grace_period: 40s
+    depends_on:
+      postgres:
+        condition: service_healthy
+    networks: [llmgate]
+
+  # The state store: a demo PostgreSQL (one container, no backups), its data
+  # in the named volume postgres-data. In production point LLMGATE_STATE_DB
+  # at a PostgreSQL of your own.
+  postgres:
+    image: postgres:16-alpine
+    restart: unless-stopped
+    environment:
+      POSTGRES_USER: llmgate
+      POSTGRES_PASSWORD: ${{POSTGRES_PASSWORD:-llmgate}}
+      POSTGRES_DB: llmgate
+    volumes:
+      - postgres-data:/var/lib/postgresql/data
+    healthcheck:
+      test: ["CMD", "pg_isready", "-h", "127.0.0.1", "-U", "llmgate", "-d", "llmgate"]
+      interval: 5s
+      timeout: 3s
+      retries: 10
+      start_period: 30s
     networks: [llmgate]
 """
 
@@ -196,7 +224,7 @@ networks:
 
 volumes:
   hf-cache: {{}}
-  gateway-state: {{}}
+  postgres-data: {{}}
   prometheus-data: {{}}
   grafana-data: {{}}
 """

@@ -17,9 +17,10 @@ import msgspec
 from fastapi.responses import Response, StreamingResponse
 
 from gateway import metrics, sse
-from gateway.api.headers import CACHE_HEADER, JSON, STREAM_HEADERS, WORKER_HEADER
+from gateway.api.headers import CACHE_HEADER, STREAM_HEADERS, WORKER_HEADER
 from gateway.cache import Entry, ResponseCache, controls, in_scope, key_for
 from gateway.handle import Answerer
+from gateway.jsonresp import JSON
 from gateway.pool import Pool
 from gateway.workers import WorkerState
 from shared import protocol, routes

@@ -40,12 +40,13 @@ from gateway import cascade, errors, schemas, sse, tracing
 from gateway.api.accounting import Accounting
 from gateway.api.attempts import Attempts
 from gateway.api.cached import cache_step
-from gateway.api.headers import JSON, STREAM_HEADERS, answer_headers
+from gateway.api.headers import STREAM_HEADERS, answer_headers
 from gateway.api.http import DisconnectWatch, EventStream, deadline, header
 from gateway.api.request_ids import request_id_of
 from gateway.api.state import cache_of, pool_of, settings_of
 from gateway.api.streaming import relay
 from gateway.handle import Answerer, RequestHandle
+from gateway.jsonresp import JSON
 from gateway.models import Target
 from shared import protocol
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from gateway.handle import Answerer
 
-JSON = "application/json"
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 WORKER_HEADER = "x-llmgate-worker"

@@ -6,9 +6,10 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from gateway import metrics
+from gateway.jsonresp import json_response
 from gateway.pool import Pool
 from gateway.routes import serves
-from gateway.sse import encode
+from gateway.state import State
 from shared import routes
 
 
@@ -16,15 +17,12 @@ from shared import routes
 async def health(request: Request) -> Response:
     """The gateway process is up (it may still have no worker)."""
     pool: Pool = request.app.state.pool
-    return Response(
-        encode(
-            {
-                "status": "ok",
-                "healthy_workers": len(pool.healthy_workers()),
-                "workers": pool.worker_count(),
-            }
-        ),
-        media_type="application/json",
+    return json_response(
+        {
+            "status": "ok",
+            "healthy_workers": len(pool.healthy_workers()),
+            "workers": pool.worker_count(),
+        }
     )
 
 
@@ -37,11 +35,15 @@ async def prometheus_metrics() -> Response:
 
 @serves(routes.READY)
 async def ready(request: Request) -> Response:
-    """Ready when at least one worker is healthy: 200, else 503."""
+    """Ready when at least one worker is healthy and, with a shared ``--state-db``,
+    once the state store has answered (at start: a replica that cannot reach
+    it takes no traffic; an outage later leaves it ready: only the routes
+    that need state answer 503): 200, else 503."""
     pool: Pool = request.app.state.pool
+    store: State = request.app.state.store
     healthy = len(pool.healthy_workers())
-    return Response(
-        encode({"ready": healthy > 0, "healthy_workers": healthy}),
-        status_code=200 if healthy else 503,
-        media_type="application/json",
-    )
+    waiting = store.shared and not store.ready.is_set()
+    body: dict[str, object] = {"ready": healthy > 0 and not waiting, "healthy_workers": healthy}
+    if waiting:
+        body["state_store"] = store.problem
+    return json_response(body, status=200 if body["ready"] else 503)

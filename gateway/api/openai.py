@@ -16,9 +16,9 @@ from fastapi.responses import Response
 from gateway import schemas, sse
 from gateway.api import vllm_routes
 from gateway.api.call import Call
-from gateway.api.headers import JSON
 from gateway.api.http import read_body
 from gateway.api.state import pool_of, settings_of
+from gateway.jsonresp import json_response
 from gateway.pool import Pool
 from gateway.routes import serves
 from shared import routes
@@ -37,7 +37,7 @@ async def list_models(request: Request) -> Response:
         {"object": "model", "created": pool.started_at, "owned_by": "llmgate", **entry}
         for entry in entries
     ]
-    return Response(sse.encode({"object": "list", "data": data}), media_type=JSON)
+    return json_response({"object": "list", "data": data})
 
 
 @serves(routes.COMPLETIONS)

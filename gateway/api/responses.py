@@ -5,11 +5,13 @@ vLLM's server keeps stored responses in its own process, so behind a pool
 the worker that answered. The gateway keeps them instead: each stored
 response (``store`` is true by default, as in OpenAI's API) is saved with
 the conversation that led to it (its input items and its output items) in
-the response cache's backend when ``--cache`` is on (Redis: shared by every
-gateway process and replica), else in this process's memory, for
-``--cache-ttl`` seconds. ``GET`` answers from there; ``previous_response_id``
+the state store (``gateway.state``: SQLite shared by one host's gateway
+processes, or the ``--state-db`` every replica shares) for
+``--responses-days``. ``GET`` answers from there; ``previous_response_id``
 becomes that conversation prepended to the new input, which any worker can
 run. Requests for responses the gateway never saw go on to vLLM unchanged.
+A store that does not answer: ``previous_response_id`` is a 503; an answer
+that cannot be stored still goes out (the failure is logged).
 """
 
 from __future__ import annotations
@@ -20,14 +22,13 @@ from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
 import msgspec
-from fastapi import Request
 
-from gateway.cache import ResponseCache
-from gateway.cache.memory import MemoryStore
+from gateway import errors
+from gateway.api.state import store_of
+from gateway.state import State
 
 log = logging.getLogger(__name__)
 
-KEY_PREFIX = "llmgate:response:"
 # vLLM's compact JSON for a response that continues none (patched when it does).
 _NO_PREVIOUS = b'"previous_response_id":null'
 
@@ -39,24 +40,12 @@ class Record(msgspec.Struct):
     items: list[Any]
 
 
-def store_of(request: Request) -> ResponseCache:
-    """The app's store for responses: the response cache, or one in memory."""
-    state = request.app.state
-    store: ResponseCache | None = getattr(state, "responses", None)
-    if store is None:
-        settings = state.settings
-        store = state.cache or ResponseCache(
-            MemoryStore(settings.cache_max_bytes),
-            settings.cache_ttl,
-            "deterministic",
-            "memory (responses)",
-        )
-        state.responses = store
-    return store
+__all__ = ["Record", "Recorder", "continued", "load", "store_of"]
 
 
-async def load(store: ResponseCache, response_id: str) -> Record | None:
-    value = await store.get_bytes(KEY_PREFIX + response_id)
+async def load(store: State, response_id: str) -> Record | None:
+    """The stored response, or None if this gateway never kept it (or it expired)."""
+    value = await store.call(store.responses.get, response_id)
     if value is None:
         return None
     try:
@@ -85,7 +74,7 @@ class Recorder:
     """Reads a Responses answer as it goes out and stores it once it is complete."""
 
     def __init__(
-        self, store: ResponseCache, body: dict[str, Any], previous: Record | None, previous_id: str
+        self, store: State, body: dict[str, Any], previous: Record | None, previous_id: str
     ) -> None:
         self.store = store
         self.items = [*(previous.items if previous else []), *input_items(body)]
@@ -103,7 +92,11 @@ class Recorder:
         if response.get("status") not in ("completed", "incomplete") or not response.get("id"):
             return
         record = Record(response, [*self.items, *response.get("output", [])])
-        await self.store.put_bytes(KEY_PREFIX + str(response["id"]), msgspec.json.encode(record))
+        store = self.store
+        try:
+            await store.call(store.responses.put, str(response["id"]), msgspec.json.encode(record))
+        except errors.StateUnavailable as exc:
+            log.warning("response %s not stored: %s", response["id"], exc.message)
 
     async def whole(self, content: bytes) -> bytes:
         content = self.patch(content)

@@ -1,4 +1,4 @@
-"""The app's state, as a request's code reads it: the pool, the settings, the response cache.
+"""The app's state, as a request's code reads it: the pool, the settings, the caches and stores.
 
 Set once by ``gateway.app`` (the settings when the app is built, the pool and
 the cache when it starts).
@@ -10,6 +10,7 @@ from starlette.requests import Request
 
 from gateway.cache import ResponseCache
 from gateway.pool import Pool
+from gateway.state import State
 from shared.settings import GatewaySettings
 
 
@@ -27,3 +28,9 @@ def cache_of(request: Request) -> ResponseCache | None:
     """The response cache (None with ``--cache`` off)."""
     cache: ResponseCache | None = request.app.state.cache
     return cache
+
+
+def store_of(request: Request) -> State:
+    """The state store: files, batches, stored responses (``gateway.state``)."""
+    store: State = request.app.state.store
+    return store

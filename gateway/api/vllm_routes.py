@@ -24,9 +24,9 @@ from fastapi.responses import Response, StreamingResponse
 from gateway import errors, schemas, sse
 from gateway.api import responses
 from gateway.api.call import Call
-from gateway.api.headers import JSON
 from gateway.api.http import read_body
 from gateway.api.state import pool_of, settings_of
+from gateway.jsonresp import json_response
 from gateway.routes import served, serves
 from shared import routes
 
@@ -109,7 +109,7 @@ async def create_response(request: Request) -> Response:
 async def retrieve_response(request: Request, response_id: str) -> Response:
     stored = await responses.load(responses.store_of(request), response_id)
     if stored is not None:
-        return Response(sse.encode(stored.response), media_type=JSON)
+        return json_response(stored.response)
     return await forward(request, routes.RESPONSE.url(response_id=response_id), None, "GET")
 
 

@@ -1,15 +1,18 @@
 """OpenAI's Files and Batches API: ``/v1/files`` and ``/v1/batches``.
 
-The shapes are OpenAI's (``gateway.batch.store``), so ``client.files.create``
-and ``client.batches.create`` of the OpenAI SDK work unchanged. Input files
+The shapes are OpenAI's (``gateway.state.files``, ``gateway.state.batches``),
+so ``client.files.create`` and ``client.batches.create`` of the OpenAI SDK
+work unchanged. Input files
 are checked when uploaded and again when a batch is created from them
 (``gateway.batch.jsonl``): bad input is a 400 naming the line, an unknown id
-a 404. The database is touched from a thread, never on the event loop.
+a 404. The state store is touched from a thread, never on the event loop,
+and answers 503 while it cannot be reached.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from fastapi import Request
@@ -17,14 +20,14 @@ from fastapi.responses import Response
 from starlette.datastructures import UploadFile
 from starlette.types import Message, Receive
 
-from gateway import errors, schemas, sse
+from gateway import errors, schemas
 from gateway.api.http import header, read_body
+from gateway.api.state import store_of
 from gateway.batch import Batches, jsonl
-from gateway.batch.store import Store
+from gateway.jsonresp import json_response
 from gateway.routes import serves
 from shared import routes
 
-JSON = "application/json"
 # Purposes a file may be uploaded for: a batch's input is the only use here.
 PURPOSES = ("batch",)
 FILES_LIMIT = (10_000, 10_000)  # default and most, as OpenAI's
@@ -36,22 +39,8 @@ def _batches(request: Request) -> Batches:
     return batches
 
 
-def _store(request: Request) -> Store:
-    batches = _batches(request)
-    if batches.store is None:
-        # Waiting does not cure it (its state directory): no Retry-After.
-        raise errors.NoWorker(
-            f"Files and batches are unavailable: {batches.problem}", retry_after=None
-        )
-    return batches.store
-
-
-def _json(value: Any) -> Response:
-    return Response(sse.encode(value), media_type=JSON)
-
-
 def _page(data: list[dict[str, Any]], has_more: bool) -> Response:
-    return _json(
+    return json_response(
         {
             "object": "list",
             "data": data,
@@ -77,7 +66,7 @@ def _limit(request: Request, bounds: tuple[int, int]) -> int:
 @serves(routes.FILES, "POST")
 async def create_file(request: Request) -> Response:
     """Upload a batch input file (multipart: ``file`` and ``purpose``)."""
-    store = _store(request)
+    store = store_of(request)
     limit = _batches(request).max_file_bytes
     declared = header(request, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -95,7 +84,32 @@ async def create_file(request: Request) -> Response:
         data = await upload.read()
         filename = upload.filename or "input.jsonl"
     await asyncio.to_thread(jsonl.parse, data)  # refused now, not when a batch is created
-    return _json(await asyncio.to_thread(store.add_file, data, filename, str(purpose)))
+    expires_at = _expires_at(form.get("expires_after[anchor]"), form.get("expires_after[seconds]"))
+    return json_response(
+        await store.call(store.files.add, data, filename, str(purpose), "", expires_at)
+    )
+
+
+# OpenAI's bounds on a file's `expires_after[seconds]`: an hour to 30 days.
+EXPIRES_AFTER_SECONDS = (3600, 30 * 24 * 3600)
+
+
+def _expires_at(anchor: object, seconds: object) -> int | None:
+    """A file's expiry from OpenAI's ``expires_after`` form fields (anchor
+    ``created_at``, seconds), or None (kept until deleted)."""
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at":
+        raise errors.BadRequest(
+            "`expires_after[anchor]` must be created_at.", "expires_after[anchor]"
+        )
+    low, high = EXPIRES_AFTER_SECONDS
+    if not isinstance(seconds, str) or not seconds.isdigit() or not low <= int(seconds) <= high:
+        raise errors.BadRequest(
+            f"`expires_after[seconds]` must be an integer from {low} to {high}.",
+            "expires_after[seconds]",
+        )
+    return int(time.time()) + int(seconds)
 
 
 def _too_large(limit: int) -> errors.PayloadTooLarge:
@@ -121,29 +135,31 @@ def _limited(receive: Receive, limit: int) -> Receive:
 
 @serves(routes.FILES, "GET")
 async def list_files(request: Request) -> Response:
-    store = _store(request)
+    store = store_of(request)
     params = request.query_params
     order = params.get("order", "desc")
     if order not in ("asc", "desc"):
         raise errors.BadRequest("`order` must be asc or desc.", "order")
     limit = _limit(request, FILES_LIMIT)
-    data, more = await asyncio.to_thread(
-        store.list_files, params.get("purpose"), params.get("after"), limit, order == "asc"
+    data, more = await store.call(
+        store.files.page, params.get("purpose"), params.get("after"), limit, order == "asc"
     )
     return _page(data, more)
 
 
 @serves(routes.FILE, "GET")
 async def retrieve_file(request: Request, file_id: str) -> Response:
-    file = await asyncio.to_thread(_store(request).get_file, file_id)
+    store = store_of(request)
+    file = await store.call(store.files.get, file_id)
     if file is None:
         raise _no_file(file_id)
-    return _json(file)
+    return json_response(file)
 
 
 @serves(routes.FILE_CONTENT)
 async def file_content(request: Request, file_id: str) -> Response:
-    content = await asyncio.to_thread(_store(request).file_content, file_id)
+    store = store_of(request)
+    content = await store.call(store.files.content, file_id)
     if content is None:
         raise _no_file(file_id)
     return Response(content, media_type="application/octet-stream")
@@ -151,9 +167,10 @@ async def file_content(request: Request, file_id: str) -> Response:
 
 @serves(routes.FILE, "DELETE")
 async def delete_file(request: Request, file_id: str) -> Response:
-    if not await asyncio.to_thread(_store(request).delete_file, file_id):
+    store = store_of(request)
+    if not await store.call(store.files.delete, file_id):
         raise _no_file(file_id)
-    return _json({"id": file_id, "object": "file", "deleted": True})
+    return json_response({"id": file_id, "object": "file", "deleted": True})
 
 
 def _no_file(file_id: str, param: str | None = None) -> errors.NotFound:
@@ -166,7 +183,7 @@ def _no_file(file_id: str, param: str | None = None) -> errors.NotFound:
 @serves(routes.BATCHES, "POST")
 async def create_batch(request: Request) -> Response:
     batches = _batches(request)
-    store = _store(request)
+    store = store_of(request)
     raw = schemas.decode_body(await read_body(request, 1024 * 1024))
     file_id = raw.get("input_file_id")
     if not isinstance(file_id, str):
@@ -175,8 +192,8 @@ async def create_batch(request: Request) -> Response:
     metadata = jsonl.check_metadata(raw.get("metadata"))
 
     def create() -> dict[str, Any]:
-        file = store.get_file(file_id)
-        content = store.file_content(file_id)
+        file = store.files.get(file_id)
+        content = store.files.content(file_id)
         if file is None or content is None:
             raise _no_file(file_id, "input_file_id")
         if file["purpose"] != "batch":
@@ -185,46 +202,45 @@ async def create_batch(request: Request) -> Response:
             )
         lines = jsonl.parse(content)
         endpoint = jsonl.check_batch(lines, raw["endpoint"], raw["completion_window"])
-        return store.create_batch(file_id, endpoint, raw["completion_window"], metadata, lines)
+        return store.batches.create(file_id, endpoint, raw["completion_window"], metadata, lines)
 
-    batch = await asyncio.to_thread(create)
-    if batches.runner is not None:
-        batches.runner.wake()
-    return _json(batch)
+    batch = await store.call(create)
+    batches.runner.wake()
+    return json_response(batch)
 
 
 @serves(routes.BATCHES, "GET")
 async def list_batches(request: Request) -> Response:
-    store = _store(request)
+    store = store_of(request)
     limit = _limit(request, BATCHES_LIMIT)
     after = request.query_params.get("after")
-    data, more = await asyncio.to_thread(store.list_batches, after, limit)
+    data, more = await store.call(store.batches.page, after, limit)
     return _page(data, more)
 
 
 @serves(routes.BATCH)
 async def retrieve_batch(request: Request, batch_id: str) -> Response:
-    batch = await asyncio.to_thread(_store(request).get_batch, batch_id)
+    store = store_of(request)
+    batch = await store.call(store.batches.get, batch_id)
     if batch is None:
         raise _no_batch(batch_id)
-    return _json(batch)
+    return json_response(batch)
 
 
 @serves(routes.BATCH_CANCEL)
 async def cancel_batch(request: Request, batch_id: str) -> Response:
     """Cancel a job: its lines in flight are aborted, those not run go to the error file."""
     batches = _batches(request)
-    store = _store(request)
-    batch = await asyncio.to_thread(
-        store.set_status, batch_id, "cancelling", ("validating", "in_progress")
+    store = store_of(request)
+    batch = await store.call(
+        store.batches.set_status, batch_id, "cancelling", ("validating", "in_progress")
     )
     if batch is None:
         raise _no_batch(batch_id)
     if batch["status"] not in ("cancelling", "cancelled"):
         raise errors.BadRequest(f"Batch {batch_id} is {batch['status']}: too late to cancel.")
-    if batches.runner is not None:
-        batches.runner.wake()
-    return _json(batch)
+    batches.runner.wake()
+    return json_response(batch)
 
 
 def _no_batch(batch_id: str) -> errors.NotFound:

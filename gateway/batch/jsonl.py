@@ -12,12 +12,12 @@ error in the error file, as with OpenAI.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from gateway import errors, schemas
+from gateway.state.batches import Line
 from shared.routes import ROUTES
 
 # The endpoints a batch may run: the route table's batchable routes (sorted,
@@ -26,16 +26,6 @@ ENDPOINTS = tuple(sorted(route.path for route in ROUTES if route.batchable))
 COMPLETION_WINDOWS = ("24h",)
 # OpenAI's limit on requests per batch.
 MAX_LINES = 50_000
-
-
-@dataclass(frozen=True)
-class Line:
-    """One request of a batch: its position (0-based, in the file's order), id, route and body."""
-
-    index: int
-    custom_id: str
-    url: str
-    body: bytes
 
 
 def parse(data: bytes) -> list[Line]:

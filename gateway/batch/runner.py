@@ -1,4 +1,11 @@
-"""The job runner: takes each batch job to its end, one line at a time through the gateway itself.
+"""The job runner: takes batch jobs to their end, a few lines at a time, through the gateway itself.
+
+Every gateway process and replica runs one, over the shared state store
+(``gateway.state.batches``): it claims pending lines under a lease (as many
+as its cap has room for), runs each, commits its result, and claims more; a
+replica that dies leaves leases that lapse, and the others claim those lines
+again. A job whose lines are all done (or that was cancelled, or ran past
+its window) is ended by whichever replica takes the lease on ending it.
 
 A line is not sent to a worker by a second path: it is a request to the
 gateway's own ASGI app (below the API-key check), with a synthetic HTTP
@@ -11,23 +18,18 @@ priority (``protocol.BATCH_PRIORITY``), and the runner caps its lines in
 flight (``cap``), so interactive requests always find free slots and the
 batch slows them little.
 
-A line is done once its result row is committed (``Store.finish_line``);
-a 429 or 503 (the gateway busy, no worker up) is not a result: the line is
+A 429 or 503 (the gateway busy, no worker up) is not a result: the line is
 tried again after a pause. Cancelling a job ends its in-flight lines as a
-client that goes away would (the request is aborted on its worker). With
-``--processes N`` only the process holding the lock file in the state
-directory runs jobs; the others look for the lock now and then, so one takes
-over if that process dies. Jobs are found in the database, so a job created
-through any process, or left unfinished by a killed gateway, is picked up.
+client that goes away would (the request is aborted on its worker) and
+gives their leases back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
-import os
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,15 +40,20 @@ from starlette.types import ASGIApp, Message
 
 from gateway import errors, metrics
 from gateway.api.request_ids import HEADER as REQUEST_ID_HEADER
-from gateway.batch.jsonl import ENDPOINTS, Line
-from gateway.batch.store import ACTIVE, STATUSES, Store, output_line
+from gateway.batch.jsonl import ENDPOINTS
+from gateway.state import State, Unavailable
+from gateway.state.batches import STATUSES, Batches, Claimed, Ending, Line, output_line
+from gateway.state.db import owner_name
 
 log = logging.getLogger(__name__)
 
-# How often the runner looks for new, cancelled or orphaned jobs when nothing
-# wakes it (a job created through another gateway process).
+# How often the runner looks for new, cancelled or ended jobs when nothing
+# wakes it (a job created through another gateway process or replica).
 POLL_SECONDS = 1.0
-LOCK_RETRY_SECONDS = 5.0
+# A line's lease: renewed every RENEW_SECONDS while it runs, so a replica
+# that dies holds its lines at most this long.
+LEASE_SECONDS = 30.0
+RENEW_SECONDS = 10.0
 # Pauses between tries of a line the gateway could not take (429, 503).
 RETRY_PAUSES = (1.0, 2.0, 5.0, 10.0, 30.0)
 RETRIED_STATUSES = frozenset({429, 503})
@@ -54,41 +61,55 @@ RETRIED_STATUSES = frozenset({429, 503})
 QUIET_SECONDS = 5.0
 # While interactive requests come in, batch lines may hold 1/INTERACTIVE_SHARE of the slots.
 INTERACTIVE_SHARE = 128
-# Precompute: a job created with this metadata fills the response cache.
-CACHE_METADATA_KEY = "llmgate_cache"
+
+_ENDINGS = {
+    "completed": ("", ""),
+    "expired": ("batch_expired", "the batch's completion window ended"),
+    "cancelled": ("batch_cancelled", "the batch was cancelled"),
+}
 
 
 @dataclass
 class Job:
-    """A job the runner is working on, and the lines it has in flight."""
+    """A job this runner has lines of in flight."""
 
     batch_id: str
-    task: asyncio.Task[None] | None = None
+    expires_at: int
+    running: int = 0
+    # Set when the job is cancelled or past its window: its lines stop.
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class Runner:
     def __init__(
         self,
-        store: Store,
+        state: State,
         app: ASGIApp,
         capacity: Callable[[], int],
         interactive_since: Callable[[], float],
         max_inflight: int,
     ) -> None:
-        self.store = store
+        self.state = state
         self.app = app
         # Slots of the healthy workers (Admission.capacity) and seconds since
         # the last interactive request (Pool.interactive_since): the default cap.
         self.capacity = capacity
         self.interactive_since = interactive_since
         self.max_inflight = max_inflight
+        # This runner among all replicas' (a restarted process is a new owner).
+        self.owner = f"{owner_name()}:{secrets.token_hex(3)}"
         self.jobs: dict[str, Job] = {}
         self.in_flight = 0
-        self._slot_freed = asyncio.Condition()
+        self._lines: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
-        self._lock_fd: int | None = None
+        self._surveyed = 0.0
+        self._renewed = 0.0
+        self._down = False
         self._task: asyncio.Task[None] | None = None
+
+    @property
+    def batches(self) -> Batches:
+        return self.state.batches
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -96,15 +117,15 @@ class Runner:
         self._task = asyncio.create_task(self._run(), name="batch runner")
 
     async def stop(self) -> None:
-        """Stop working (a running job resumes at the next start: nothing is lost)."""
-        tasks = [job.task for job in self.jobs.values() if job.task is not None]
-        if self._task is not None:
-            tasks.append(self._task)
+        """Stop working and give this runner's leases back: another replica (or
+        this gateway's next start) runs those lines; nothing is lost."""
+        tasks = [*self._lines, *([self._task] if self._task else [])]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
+        if self.state.ready.is_set():
+            with contextlib.suppress(Unavailable):
+                await asyncio.to_thread(self.batches.release_all, self.owner)
 
     def wake(self) -> None:
         """A job was created or cancelled in this process: look now, not at the next poll."""
@@ -130,141 +151,136 @@ class Runner:
         return max(1, slots // 2)
 
     async def _run(self) -> None:
-        # Another process of this gateway runs the jobs: take over if it dies.
-        while True:
-            if self._take_lock():
-                break
-            await asyncio.sleep(LOCK_RETRY_SECONDS)
-        log.info("batch runner started (state in %s)", self.store.directory)
+        await self.state.ready.wait()
+        log.info("batch runner %s started (state in %s)", self.owner, self.state.db.where)
         while True:
             self._wake.clear()
-            await self._look()
+            try:
+                await self._look()
+                if self._down:
+                    log.info("batch runner: the state store answers again")
+                    self._down = False
+            except Unavailable as exc:
+                # Lines in flight finish; their results are committed once the
+                # store is back, or their leases lapse and they run again.
+                if not self._down:
+                    log.warning("batch runner: the state store does not answer (%s)", exc)
+                    self._down = True
+            except Exception:
+                log.exception("batch runner: a look at the jobs failed; trying again")
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(POLL_SECONDS):
                     await self._wake.wait()
 
-    def _take_lock(self) -> bool:
-        """Whether this process is now the one that runs jobs."""
-        path = self.store.directory / "runner.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        self._lock_fd = fd
-        return True
-
     async def _look(self) -> None:
-        """Start what is new, cancel what was cancelled, count jobs by status."""
-        active = await asyncio.to_thread(self.store.active_batches)
-        for batch_id, status in active:
-            job = self.jobs.get(batch_id)
-            if job is None:
-                job = self.jobs[batch_id] = Job(batch_id)
-                job.task = asyncio.create_task(self._job(job), name=f"batch {batch_id}")
-            if status == "cancelling":
-                job.cancelled.set()
-        counts = await asyncio.to_thread(self.store.job_counts)
+        """Claim lines there is room for; now and then, take jobs further."""
+        now = time.monotonic()
+        if now - self._surveyed >= POLL_SECONDS:
+            self._surveyed = now
+            await self._survey()
+        if self._lines and now - self._renewed >= RENEW_SECONDS:
+            self._renewed = now
+            await asyncio.to_thread(self.batches.renew, self.owner, LEASE_SECONDS)
+        room = self.cap() - self.in_flight
+        if room <= 0:
+            return
+        claimed = await asyncio.to_thread(self.batches.claim, self.owner, room, LEASE_SECONDS)
+        if claimed:
+            self._renewed = time.monotonic()
+        for line in claimed:
+            self._start(line)
+
+    async def _survey(self) -> None:
+        """Start new jobs, stop lines of cancelled or expired ones, end finished ones."""
+        batches = self.batches
+        for batch_id in await asyncio.to_thread(batches.start_validated):
+            log.info("batch %s: in progress", batch_id)
+        if self.jobs:
+            statuses = await asyncio.to_thread(batches.statuses, list(self.jobs))
+            for batch_id, job in self.jobs.items():
+                if statuses.get(batch_id) != "in_progress" or time.time() >= job.expires_at:
+                    job.cancelled.set()
+        for ending in await asyncio.to_thread(batches.ending):
+            if await asyncio.to_thread(batches.take, ending.batch_id, self.owner, LEASE_SECONDS):
+                await self._end(ending)
+        counts = await asyncio.to_thread(batches.job_counts)
         for status in STATUSES:
             metrics.child(metrics.BATCH_JOBS, status).set(counts[status])
 
-    # -- one job -----------------------------------------------------------------
+    # -- one line ------------------------------------------------------------------
 
-    async def _job(self, job: Job) -> None:
-        batch_id = job.batch_id
+    def _start(self, claimed: Claimed) -> None:
+        job = self.jobs.get(claimed.batch_id)
+        if job is None:
+            job = self.jobs[claimed.batch_id] = Job(claimed.batch_id, claimed.expires_at)
+        job.running += 1
+        self.in_flight += 1
+        task = asyncio.create_task(self._line(job, claimed))
+        self._lines.add(task)
+        task.add_done_callback(self._lines.discard)
+
+    async def _line(self, job: Job, claimed: Claimed) -> None:
+        line = claimed.line
         try:
-            batch = await asyncio.to_thread(
-                self.store.set_status, batch_id, "in_progress", ("validating",)
-            )
-            assert batch is not None
-            if batch["status"] not in ACTIVE:
-                return  # ended while the last look was reading it
-            if batch["status"] == "in_progress":
-                log.info("batch %s: running %d lines", batch_id, batch["request_counts"]["total"])
-                await self._lines(job, batch)
-            await self._finalize(job)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            # A bug or a broken state directory: logged, and retried at the next
-            # look (the job is still active in the database).
-            log.exception("batch %s: the runner failed; trying again", batch_id)
-            await asyncio.sleep(POLL_SECONDS)
-        finally:
-            self.jobs.pop(batch_id, None)
-            self.wake()
-
-    async def _lines(self, job: Job, batch: dict[str, Any]) -> None:
-        pending = await asyncio.to_thread(self.store.pending_lines, job.batch_id)
-        cache = (batch.get("metadata") or {}).get(CACHE_METADATA_KEY) == "true"
-        running: set[asyncio.Task[None]] = set()
-        try:
-            for line in pending:
-                if not await self._slot(job, batch["expires_at"]):
-                    break
-                task = asyncio.create_task(self._line(job, line, cache, batch["expires_at"]))
-                running.add(task)
-                task.add_done_callback(running.discard)
-            if running:
-                await asyncio.gather(*running)
-        finally:
-            # Stopping (or a failure): what is in flight stops, and runs again
-            # at the next start, since its result was never committed.
-            for task in running:
-                task.cancel()
-            await asyncio.gather(*running, return_exceptions=True)
-
-    async def _slot(self, job: Job, expires_at: int) -> bool:
-        """Wait for room under the cap; False if the job was cancelled or expired meanwhile."""
-        async with self._slot_freed:
-            while self.in_flight >= self.cap():
-                if job.cancelled.is_set():
-                    return False
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(POLL_SECONDS):
-                        await self._slot_freed.wait()
-            if job.cancelled.is_set() or time.time() >= expires_at:
-                return False
-            self.in_flight += 1
-            return True
-
-    async def _line(self, job: Job, line: Line, cache: bool, expires_at: int) -> None:
-        attempt = 0
-        try:
-            while True:
-                outcome = await self._call(job, line, cache)
-                if outcome is None:
-                    return  # cancelled: stays pending, the error file says so
-                status, request_id, body = outcome
-                if status not in RETRIED_STATUSES:
-                    break
-                pause = RETRY_PAUSES[min(attempt, len(RETRY_PAUSES) - 1)]
-                attempt += 1
-                if time.time() + pause >= expires_at:
-                    return  # stays pending: the error file says it expired
-                log.debug(
-                    "batch %s line %d: %d, trying again in %.0fs",
-                    job.batch_id,
-                    line.index,
-                    status,
-                    pause,
-                )
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(pause):
-                        await job.cancelled.wait()
-                if job.cancelled.is_set():
-                    return
+            outcome = await self._outcome(job, line, claimed.cache)
+            if outcome is None:
+                # Cancelled, or past the window: unrun, the error file says so.
+                await asyncio.to_thread(self.batches.release, self.owner, job.batch_id, line.index)
+                return
+            status, request_id, body = outcome
             failed = status != 200
             result = output_line(line.custom_id, status, request_id, body)
-            await asyncio.to_thread(
-                self.store.finish_line, job.batch_id, line.index, failed, result
+            committed = await asyncio.to_thread(
+                self.batches.finish_line, self.owner, job.batch_id, line.index, failed, result
             )
-            metrics.child(metrics.BATCH_LINES, "failed" if failed else "completed").inc()
+            if committed:
+                metrics.child(metrics.BATCH_LINES, "failed" if failed else "completed").inc()
+            else:
+                log.warning(
+                    "batch %s line %d: its lease lapsed before its result was committed; "
+                    "it runs again (or already did) elsewhere",
+                    job.batch_id,
+                    line.index,
+                )
+        except Unavailable as exc:
+            log.warning(
+                "batch %s line %d: the state store does not answer (%s); it runs again "
+                "once its lease lapses",
+                job.batch_id,
+                line.index,
+                exc,
+            )
         finally:
-            async with self._slot_freed:
-                self.in_flight -= 1
-                self._slot_freed.notify()
+            self.in_flight -= 1
+            job.running -= 1
+            if job.running == 0:
+                self.jobs.pop(job.batch_id, None)
+            self._wake.set()
+
+    async def _outcome(self, job: Job, line: Line, cache: bool) -> tuple[int, str, Any] | None:
+        """The line's answer, tried again while the gateway is busy (429, 503);
+        None if the job was cancelled or its window ended first."""
+        attempt = 0
+        while True:
+            if job.cancelled.is_set() or time.time() >= job.expires_at:
+                return None
+            outcome = await self._call(job, line, cache)
+            if outcome is None or outcome[0] not in RETRIED_STATUSES:
+                return outcome
+            pause = RETRY_PAUSES[min(attempt, len(RETRY_PAUSES) - 1)]
+            attempt += 1
+            if time.time() + pause >= job.expires_at:
+                return None
+            log.debug(
+                "batch %s line %d: %d, trying again in %.0fs",
+                job.batch_id,
+                line.index,
+                outcome[0],
+                pause,
+            )
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(pause):
+                    await job.cancelled.wait()
 
     async def _call(self, job: Job, line: Line, cache: bool) -> tuple[int, str, Any] | None:
         """The line as a request to the gateway's app: (status, request id, body),
@@ -327,31 +343,25 @@ class Runner:
             body = raw.decode(errors="replace")
         return status, request_id, body
 
-    async def _finalize(self, job: Job) -> None:
+    # -- ending a job -----------------------------------------------------------------
+
+    async def _end(self, ending: Ending) -> None:
         """Write the job's output and error files and give it its final status."""
-        batch_id = job.batch_id
-        now = await asyncio.to_thread(
-            self.store.set_status, batch_id, "finalizing", ("in_progress",)
-        )
-        assert now is not None
-        counts = now["request_counts"]
-        unrun = counts["total"] - counts["completed"] - counts["failed"]
-        if now["status"] == "cancelling" or job.cancelled.is_set():
-            final, code, why = "cancelled", "batch_cancelled", "the batch was cancelled"
-        elif unrun:
-            final, code, why = "expired", "batch_expired", "the batch's completion window ended"
-        else:
-            final, code, why = "completed", "", ""
+        code, why = _ENDINGS[ending.status]
         batch, unrun = await asyncio.to_thread(
-            self.store.finalize, batch_id, final, code, f"This request did not run: {why}."
+            self.batches.finalize,
+            ending.batch_id,
+            ending.status,
+            code,
+            f"This request did not run: {why}.",
         )
         if unrun:
-            metrics.child(metrics.BATCH_LINES, final).inc(unrun)
+            metrics.child(metrics.BATCH_LINES, ending.status).inc(unrun)
         counts = batch["request_counts"]
         log.info(
             "batch %s %s: %d completed, %d failed, %d not run",
-            batch_id,
-            final,
+            ending.batch_id,
+            ending.status,
             counts["completed"],
             counts["failed"],
             unrun,

@@ -6,7 +6,8 @@ interpolation, then the Compose specification, checked by ``compose-spec``
 (the Rust ``compose_spec`` crate's strict parser, plus its pydantic models of
 the spec's JSON schema). On top of that, what makes this file work: one
 worker per GPU device id, every worker reachable through the one name the
-gateway resolves, settings that the code knows, files that exist.
+gateway resolves, settings that the code knows, files that exist, a state
+store (PostgreSQL) that the gateway waits for.
 """
 
 from __future__ import annotations
@@ -359,3 +360,42 @@ def test_the_cache_settings_reach_the_gateway_and_default_to_the_codes(
     assert set(redis["networks"]) & set(gateway["networks"])
     assert urlsplit(url).port == 6379  # redis-server's default port
     assert "--port" not in redis["command"]
+
+
+@pytest.mark.parametrize("password", [None, "s3cret"])
+def test_the_gateway_keeps_its_state_in_the_postgres_service_once_healthy(
+    password: str | None,
+) -> None:
+    """LLMGATE_STATE_DB names the postgres service with the user, password and
+    database it creates; the gateway starts once it is healthy and has no state
+    volume of its own (SQLite is not used with a state DB)."""
+    env = {"POSTGRES_PASSWORD": password} if password else {}
+    for text in (
+        COMPOSE_FILE.read_text(),
+        generate.render_pools(str(ROOT / "examples" / "two-pools.yaml"), cpu=True),
+    ):
+        model = load(text, env)
+        gateway = model["services"]["gateway"]
+        url = urlsplit(gateway["environment"]["LLMGATE_STATE_DB"])
+        assert "LLMGATE_STATE_DB" in env_names(GatewaySettings)
+        assert url.scheme == "postgresql" and url.port == 5432
+        postgres = model["services"][url.hostname or ""]
+        assert postgres["image"] == "postgres:16-alpine"
+        assert "profiles" not in postgres  # starts with the gateway, whatever the profiles
+        assert set(postgres["networks"]) & set(gateway["networks"])
+        created = postgres["environment"]
+        assert (url.username, url.password, url.path) == (
+            created["POSTGRES_USER"],
+            created["POSTGRES_PASSWORD"],
+            "/" + created["POSTGRES_DB"],
+        )
+        assert url.password == (password or "llmgate")
+        assert gateway["depends_on"] == {url.hostname: {"condition": "service_healthy"}}
+        check = postgres["healthcheck"]["test"]
+        assert check[:2] == ["CMD", "pg_isready"]
+        assert check[check.index("-U") + 1] == created["POSTGRES_USER"]
+        assert check[check.index("-d") + 1] == created["POSTGRES_DB"]
+        (data,) = postgres["volumes"]
+        assert data == "postgres-data:/var/lib/postgresql/data"
+        assert "postgres-data" in model["volumes"] and "gateway-state" not in model["volumes"]
+        assert not [v for v in gateway["volumes"] if v.endswith(":/var/lib/llmgate")]

@@ -7,7 +7,8 @@ the Kubernetes OpenAPI schemas of the oldest and newest versions the chart
 supports (``kubernetes-validate``, strict: unknown fields fail). Then the
 wiring: the gateway's ``--workers`` names the headless Service, which selects
 the worker pods on the port they bind; probes, drain times and settings names
-agree with the code.
+agree with the code, and the gateways share one state store (a PostgreSQL
+named by a Secret) or the chart refuses to run more than one.
 """
 
 from __future__ import annotations
@@ -62,6 +63,20 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "gateway": {"autoscaling": {"enabled": False}, "replicas": 3},
     },
     "existing-secret": {"secrets": {"existingSecret": "my-keys"}},
+    # The state store: the demo PostgreSQL is the default's; these are the others.
+    "external-database-url": {
+        "state": {"database": {"url": "postgresql://llmgate:pw@db.example:5432/llmgate"}},
+        "postgresql": {"enabled": False},
+    },
+    "existing-database-secret": {
+        "state": {"database": {"existingSecret": "my-db", "key": "dsn"}},
+        "postgresql": {"enabled": False},
+        "gateway": {"autoscaling": {"enabled": False}, "replicas": 4},
+    },
+    "one-gateway-no-store": {
+        "postgresql": {"enabled": False},
+        "gateway": {"autoscaling": {"enabled": False}, "replicas": 1},
+    },
 }
 
 
@@ -259,7 +274,9 @@ def test_curve_keys_go_to_the_side_that_needs_them() -> None:
 
 def test_api_keys_reach_the_gateway_one_per_line() -> None:
     objects = render(VALUE_SETS["eight-gpus-everything-on"])
-    secret = one(objects, "Secret")
+    (secret,) = [
+        s for s in of_kind(objects, "Secret") if s["metadata"]["name"] == "demo-llmgate-secrets"
+    ]
     assert secret["stringData"]["api-keys"].split() == SECRETS["apiKeys"]
     assert "LLMGATE_API_KEYS_FILE" in environment(objects, one(objects, "Deployment", "gateway"))
 
@@ -415,6 +432,12 @@ def test_each_pool_is_a_statefulset_and_a_service_the_gateways_config_names() ->
         {"gateway": {"cache": {"url": "memcached://cache:11211"}}},
         {"gateway": {"cache": {"scope": "sometimes"}}},
         {"gateway": {"cache": {"ttl": -1}}},
+        {"state": {"database": {"url": "mysql://db:3306/llmgate"}}},
+        {"state": {"database": {"existingSecret": "my-db", "key": ""}}},
+        {"state": {"databse": {"url": "postgresql://db/llmgate"}}},
+        {"postgresql": {"auth": {"password": "p@ss/word"}}},
+        {"postgresql": {"auth": {"username": "Robert'); DROP TABLE"}}},
+        {"postgresql": {"persistance": {"enabled": False}}},
     ],
 )
 def test_the_values_schema_rejects_bad_values(values: dict[str, Any]) -> None:
@@ -426,3 +449,147 @@ def test_helm_lint_finds_no_error() -> None:
     result = helm.lint(str(CHART))
     assert result["errors"] == []
     assert not [m for m in result["messages"] if m["severity"] > 1], result["messages"]
+
+
+# -- The shared state store ------------------------------------------------------
+
+
+def volumes_of(workload: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {v["name"]: v for v in workload["spec"]["template"]["spec"].get("volumes", [])}
+
+
+def state_db_ref(workload: dict[str, Any]) -> dict[str, str] | None:
+    """The secretKeyRef that LLMGATE_STATE_DB comes from, if the container has it."""
+    for variable in container(workload).get("env", []):
+        if variable["name"] == "LLMGATE_STATE_DB":
+            assert set(variable) == {"name", "valueFrom"}, "a URL carries its password: a Secret"
+            ref = variable["valueFrom"]["secretKeyRef"]
+            assert isinstance(ref, dict)
+            return ref
+    return None
+
+
+def test_gateways_take_the_state_store_from_a_secret_and_keep_no_state_of_their_own(
+    rendered: tuple[dict[str, Any], list[dict[str, Any]]],
+) -> None:
+    values, objects = rendered
+    gateway = one(objects, "Deployment", "gateway")
+    ref = state_db_ref(gateway)
+    mounts = {m["mountPath"]: m["name"] for m in container(gateway)["volumeMounts"]}
+    state_dir = "/var/lib/llmgate"  # the image's LLMGATE_STATE_DIR
+    assert "LLMGATE_STATE_DB" in env_names(GatewaySettings)
+    if ref is None:  # one gateway, its own SQLite: the only render without a store
+        assert values is VALUE_SETS["one-gateway-no-store"]
+        assert gateway["spec"]["replicas"] == 1
+        assert volumes_of(gateway)[mounts[state_dir]] == {"name": "state", "emptyDir": {}}
+        return
+    assert "state" not in volumes_of(gateway) and state_dir not in mounts
+    assert [v for v in volumes_of(gateway).values() if "emptyDir" in v] == [
+        {"name": "tmp", "emptyDir": {}}
+    ]
+    secrets = {s["metadata"]["name"]: s for s in of_kind(objects, "Secret")}
+    existing = values.get("state", {}).get("database", {}).get("existingSecret")
+    if existing:
+        assert ref == {"name": existing, "key": values["state"]["database"]["key"]}
+        assert existing not in secrets  # the user's, not the chart's
+    else:
+        url = secrets[ref["name"]]["stringData"][ref["key"]]
+        assert urlsplit(url).scheme == "postgresql"
+        wanted = values.get("state", {}).get("database", {}).get("url")
+        if wanted:
+            assert url == wanted
+            assert not list(of_kind(objects, "Deployment", "postgresql"))
+
+
+def test_the_demo_postgresql_is_where_the_gateways_url_points() -> None:
+    objects = render({})  # the default: the chart's demo PostgreSQL
+    gateway = one(objects, "Deployment", "gateway")
+    ref = state_db_ref(gateway)
+    assert ref is not None
+    secret = one(objects, "Secret", "postgresql")
+    assert ref == {"name": secret["metadata"]["name"], "key": "url"}
+    url = urlsplit(secret["stringData"]["url"])
+    database = one(objects, "Deployment", "postgresql")
+    service = one(objects, "Service", "postgresql")
+    # The URL names the Service, which selects the database's pod on its port.
+    assert url.hostname == f"{service['metadata']['name']}.{NAMESPACE}.svc.cluster.local"
+    (port,) = service["spec"]["ports"]
+    assert port["port"] == url.port == 5432
+    assert selects(service["spec"]["selector"], database["spec"]["template"]["metadata"]["labels"])
+    assert not selects(
+        service["spec"]["selector"], gateway["spec"]["template"]["metadata"]["labels"]
+    )
+    c = container(database)
+    assert c["image"] == "postgres:16-alpine"
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {port["targetPort"]: 5432}
+    # The image makes the user and database the URL names, with the URL's password.
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POSTGRES_USER"]["value"] == url.username
+    assert env["POSTGRES_DB"]["value"] == url.path.lstrip("/")
+    assert env["POSTGRES_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": secret["metadata"]["name"],
+        "key": "password",
+    }
+    assert secret["stringData"]["password"] == url.password and len(url.password or "") >= 16
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert c[probe]["exec"]["command"][0] == "pg_isready"
+    # One pod on the data volume at a time; the data on the claim.
+    assert database["spec"]["replicas"] == 1
+    assert database["spec"]["strategy"] == {"type": "Recreate"}
+    claim = one(objects, "PersistentVolumeClaim", "postgresql")
+    data = volumes_of(database)["data"]
+    assert data["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert env["PGDATA"]["value"].startswith(mounts["data"] + "/")
+
+
+def test_the_demo_postgresql_without_persistence_and_with_a_set_password() -> None:
+    objects = render(
+        {"postgresql": {"persistence": {"enabled": False}, "auth": {"password": "demo-pw"}}}
+    )
+    assert not list(of_kind(objects, "PersistentVolumeClaim"))
+    data = volumes_of(one(objects, "Deployment", "postgresql"))["data"]
+    assert data == {"name": "data", "emptyDir": {}}
+    secret = one(objects, "Secret", "postgresql")
+    assert secret["stringData"]["password"] == "demo-pw"
+    assert urlsplit(secret["stringData"]["url"]).password == "demo-pw"
+
+
+STORE_VALUES = ("state.database.url", "state.database.existingSecret", "postgresql.enabled")
+
+
+@pytest.mark.parametrize(
+    "gateway",
+    [
+        {"autoscaling": {"enabled": False}, "replicas": 2},
+        {"autoscaling": {"enabled": True, "minReplicas": 1}, "replicas": 1},
+    ],
+    ids=["two-replicas", "autoscaled"],
+)
+def test_several_gateways_without_a_shared_store_do_not_render(gateway: dict[str, Any]) -> None:
+    values = {"gateway": gateway, "postgresql": {"enabled": False}}
+    with helm.Chart.load(str(CHART)) as chart, pytest.raises(helm.HelmError) as refused:
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    assert "need a shared state store" in str(refused.value)
+    for name in STORE_VALUES:
+        assert name in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("values", "says"),
+    [
+        ({"state": {"database": {"url": "postgresql://db/x"}}}, "set postgresql.enabled=false"),
+        (
+            {
+                "state": {"database": {"url": "postgresql://db/x", "existingSecret": "my-db"}},
+                "postgresql": {"enabled": False},
+            },
+            "are both set",
+        ),
+    ],
+    ids=["url-and-the-demo", "url-and-existing-secret"],
+)
+def test_two_stores_at_once_do_not_render(values: dict[str, Any], says: str) -> None:
+    with helm.Chart.load(str(CHART)) as chart, pytest.raises(helm.HelmError) as refused:
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    assert says in str(refused.value)

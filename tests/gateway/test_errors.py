@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import msgspec
 import pytest
 
 from gateway import errors
@@ -33,7 +32,7 @@ def test_404_is_model_not_found_only_for_the_model_param() -> None:
 
 def test_body_is_openai_shaped() -> None:
     error = errors.ModelNotFound.for_model("gpt-9")
-    body = msgspec.json.decode(error.json())
+    body = error.body()
     assert body == {
         "error": {
             "message": "The model `gpt-9` does not exist.",
@@ -54,7 +53,7 @@ def test_a_model_not_ready_is_a_503_that_says_when_to_retry() -> None:
     error = errors.ModelNotReady.for_model("m", served_before=False)
     assert error.status == 503
     assert error.headers() == {"Retry-After": str(errors.NO_WORKER_RETRY_AFTER)}
-    body = msgspec.json.decode(error.json())["error"]
+    body = error.body()["error"]
     assert body["code"] == "model_not_ready" and body["param"] == "model"
     assert body["type"] == "service_unavailable"
     assert "starting" in body["message"]

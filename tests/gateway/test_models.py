@@ -75,7 +75,6 @@ def test_auto_rules_match_in_order_first_match_wins() -> None:
     assert route({"prompt": [1, 2, 3] * 4}) == "long"  # token ids count as given
     assert route({"prompt": "hi", "max_tokens": 201}) == "long-answer"
     assert route({"messages": [], "max_completion_tokens": 300}) == "long-answer"
-    assert route({"inputs": "hi", "parameters": {"max_new_tokens": 300}}) == "long-answer"
     assert route({"prompt": "hi", "response_format": {"type": "json_object"}}) == "json"
     assert route({"messages": [], "tools": [{"type": "function"}]}) == "tools"
     assert route({"messages": [], "tools": []}) == "default"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -22,7 +21,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from sqlalchemy import func, select
 
+from gateway.state.db import Database
+from gateway.state.schema import lines
 from tests.conftest import MODEL, ROOT, Served, start_gateway, stop_serve
 from tests.integration.test_pool import metric, wait_for
 
@@ -215,13 +217,11 @@ def test_a_cancelled_batch_stops_and_says_which_lines_did_not_run(
         stop_serve(gateway)
 
 
-def committed(tmp_path: Path, batch_id: str) -> int:
-    """Lines whose answer is committed in the state directory (read after the kill)."""
-    with sqlite3.connect(tmp_path / "state" / "batches.sqlite3") as db:
-        (done,) = db.execute(
-            "SELECT count(*) FROM lines WHERE batch_id = ? AND state = 'completed'", (batch_id,)
-        ).fetchone()
-    return int(done)
+def committed(store: Database, batch_id: str) -> int:
+    """Lines whose answer is committed in the state store (read after the kill)."""
+    query = select(func.count()).where(lines.c.batch_id == batch_id, lines.c.state == "completed")
+    with store.read() as db:
+        return int(db.scalar(query) or 0)
 
 
 def test_a_gateway_killed_mid_batch_resumes_it_with_no_line_lost_or_doubled(
@@ -242,7 +242,9 @@ def test_a_gateway_killed_mid_batch_resumes_it_with_no_line_lost_or_doubled(
         wait_until(first, batch_id, lambda b: b["request_counts"]["completed"] >= 3)
     finally:
         stop_serve(first, signal.SIGKILL)
-    before = committed(tmp_path, batch_id)
+    store = Database("", tmp_path / "state")
+    before = committed(store, batch_id)
+    store.close()
     assert 3 <= before < total
     second = lone(tmp_path, served, "second", "--batch-max-inflight", "4")
     try:

@@ -1,7 +1,8 @@
 """The Responses API's state, kept by the gateway (gateway.api.responses), with
 the real engine: a response stored through one gateway is found, and
 continued with ``previous_response_id``, through another that shares its
-Redis, whichever worker runs the continuation."""
+state store (``--state-db`` on a real PostgreSQL; each has a state directory
+of its own), whichever worker runs the continuation."""
 
 from __future__ import annotations
 
@@ -13,25 +14,30 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.conftest import MODEL, Served
-from tests.integration.redis_server import RedisServer, gateways_sharing
+from tests.conftest import MODEL, Served, start_gateway, stop_serve
+from tests.integration.postgres_server import PostgresServer
 
 ASK = {"model": MODEL, "max_output_tokens": 12, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
 def replicas(
-    served: Served, tmp_path_factory: pytest.TempPathFactory
+    served: Served, postgres_server: PostgresServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Served, Served]]:
-    """Two gateways sharing one Redis, in front of the session's worker."""
+    """Two gateways sharing one state store, in front of the session's worker."""
     directory = tmp_path_factory.mktemp("responses")
-    redis_server = RedisServer(directory)
-    redis_server.start()
+    url = postgres_server.create_database("responses_state")
+    started: list[Served] = []
     try:
-        with gateways_sharing(redis_server, served, directory) as both:
-            yield both
+        for name in ("a", "b"):
+            state = ("--state-dir", str(directory / name), "--state-db", url)
+            started.append(
+                start_gateway(directory / f"{name}.log", served.worker_addresses(1), *state)
+            )
+        yield started[0], started[1]
     finally:
-        redis_server.stop()
+        for gateway in started:
+            stop_serve(gateway)
 
 
 def client(gateway: Served) -> OpenAI:

@@ -11,10 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import update
 
 from gateway.batch import jsonl, runner
 from gateway.batch.runner import Runner
-from gateway.batch.store import Store
+from gateway.state import State
+from gateway.state.batches import Batches
+from gateway.state.schema import batches as batches_table
+from shared.settings import GatewaySettings
 
 CHAT = "/v1/chat/completions"
 
@@ -43,32 +47,33 @@ class App:
         )
 
 
-def make(
+async def make(
     tmp_path: Path, app: App, count: int, metadata: dict[str, str] | None = None
-) -> tuple[Runner, Store, str]:
-    store = Store(tmp_path)
+) -> tuple[Runner, Batches, str]:
+    state = State(GatewaySettings(state_dir=str(tmp_path)))
+    await state.connect()
     data = "\n".join(
         json.dumps({"custom_id": f"c{i}", "method": "POST", "url": CHAT, "body": {"n": i}})
         for i in range(count)
     )
-    batch = store.create_batch("file-x", CHAT, "24h", metadata, jsonl.parse(data.encode()))
-    return Runner(store, app, lambda: 4, lambda: 1e9, 2), store, batch["id"]
+    batch = state.batches.create("file-x", CHAT, "24h", metadata, jsonl.parse(data.encode()))
+    return Runner(state, app, lambda: 4, lambda: 1e9, 2), state.batches, batch["id"]
 
 
-async def finished(store: Store, batch_id: str) -> dict[str, Any]:
+async def finished(store: Batches, batch_id: str) -> dict[str, Any]:
     async with asyncio.timeout(10):
         while True:
-            batch = store.get_batch(batch_id)
+            batch = store.get(batch_id)
             assert batch is not None
             if batch["status"] in ("completed", "cancelled", "expired"):
                 return batch
             await asyncio.sleep(0.01)
 
 
-def content(store: Store, file_id: str | None) -> list[dict[str, Any]]:
+def content(store: Batches, file_id: str | None) -> list[dict[str, Any]]:
     if file_id is None:
         return []
-    return [json.loads(x) for x in (store.file_content(file_id) or b"").splitlines()]
+    return [json.loads(x) for x in (store.files.content(file_id) or b"").splitlines()]
 
 
 async def test_each_line_is_a_low_priority_request_and_a_429_is_tried_again(
@@ -76,7 +81,7 @@ async def test_each_line_is_a_low_priority_request_and_a_429_is_tried_again(
 ) -> None:
     monkeypatch.setattr(runner, "RETRY_PAUSES", (0.01,))
     app = App(statuses=[429, 400])
-    batch_runner, store, batch_id = make(tmp_path, app, 3)
+    batch_runner, store, batch_id = await make(tmp_path, app, 3)
     batch_runner.start()
     batch = await finished(store, batch_id)
     await batch_runner.stop()
@@ -97,7 +102,7 @@ async def test_each_line_is_a_low_priority_request_and_a_429_is_tried_again(
 
 async def test_a_precompute_batch_lets_the_cache_work(tmp_path: Path) -> None:
     app = App()
-    batch_runner, store, batch_id = make(tmp_path, app, 1, {"llmgate_cache": "true"})
+    batch_runner, store, batch_id = await make(tmp_path, app, 1, {"llmgate_cache": "true"})
     batch_runner.start()
     await finished(store, batch_id)
     await batch_runner.stop()
@@ -106,7 +111,7 @@ async def test_a_precompute_batch_lets_the_cache_work(tmp_path: Path) -> None:
 
 async def test_cancelling_ends_the_lines_in_flight_and_reports_the_rest(tmp_path: Path) -> None:
     app = App(hold=True)
-    batch_runner, store, batch_id = make(tmp_path, app, 5)
+    batch_runner, store, batch_id = await make(tmp_path, app, 5)
     batch_runner.start()
     await app.started.wait()
     store.set_status(batch_id, "cancelling", ("in_progress",))
@@ -122,12 +127,9 @@ async def test_cancelling_ends_the_lines_in_flight_and_reports_the_rest(tmp_path
 
 async def test_lines_not_run_by_the_end_of_the_window_expire(tmp_path: Path) -> None:
     app = App()
-    batch_runner, store, batch_id = make(tmp_path, app, 2)
-    with store._write() as db:  # a job created a day ago
-        db.execute(
-            "UPDATE batches SET object = json_set(object, '$.expires_at', ?) WHERE id = ?",
-            (int(time.time()) - 1, batch_id),
-        )
+    batch_runner, store, batch_id = await make(tmp_path, app, 2)
+    with store.db.write() as db:  # a job created a day ago
+        db.execute(update(batches_table).values(expires_at=int(time.time()) - 1))
     batch_runner.start()
     batch = await finished(store, batch_id)
     await batch_runner.stop()

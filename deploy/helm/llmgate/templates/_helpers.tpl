@@ -143,3 +143,45 @@ app.kubernetes.io/component: {{ .component }}
 {{ printf "LLMGATE_%s" (upper (replace "-" "_" $key)) }}: {{ $value | toString | quote }}
 {{- end }}
 {{- end }}
+
+{{/*
+The shared state store (uploaded files, batch jobs, stored responses): where the
+gateway's LLMGATE_STATE_DB comes from, as {name, key} of a Secret, or nothing
+(no store: each gateway keeps SQLite in its own state directory).
+*/}}
+{{- define "llmgate.stateDbSecretRef" -}}
+{{- $db := .Values.state.database }}
+{{- if $db.url }}
+name: {{ include "llmgate.stateDbSecretName" . }}
+key: url
+{{- else if $db.existingSecret }}
+name: {{ $db.existingSecret }}
+key: {{ $db.key }}
+{{- else if .Values.postgresql.enabled }}
+name: {{ include "llmgate.postgresqlName" . }}
+key: url
+{{- end }}
+{{- end }}
+
+{{- define "llmgate.stateDbSecretName" -}}
+{{- printf "%s-state-db" (include "llmgate.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "llmgate.postgresqlName" -}}
+{{- printf "%s-postgresql" (include "llmgate.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Fails the render on a store setting that cannot work. */}}
+{{- define "llmgate.validateState" -}}
+{{- $db := .Values.state.database }}
+{{- $g := .Values.gateway }}
+{{- if and $db.url $db.existingSecret }}
+{{- fail "llmgate: state.database.url and state.database.existingSecret are both set; set one (the URL in a Secret of the chart's, or a Secret of yours holding it)" }}
+{{- end }}
+{{- if and .Values.postgresql.enabled (or $db.url $db.existingSecret) }}
+{{- fail "llmgate: state.database is set, so the gateways use that PostgreSQL and the chart's demo one (postgresql.enabled, on by default) would sit unused: set postgresql.enabled=false" }}
+{{- end }}
+{{- if and (not (include "llmgate.stateDbSecretRef" .)) (or $g.autoscaling.enabled (gt (int $g.replicas) 1)) }}
+{{- fail (printf "llmgate: %s gateway replicas need a shared state store (uploaded files, batch jobs and stored responses), or each pod would keep its own: set state.database.url (a postgresql:// URL), or state.database.existingSecret and state.database.key (a Secret holding the URL), or postgresql.enabled=true (a demo PostgreSQL in the chart); or run one gateway (gateway.autoscaling.enabled=false, gateway.replicas=1)" (ternary "autoscaled" (toString $g.replicas) $g.autoscaling.enabled)) }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,115 @@
+"""The gateway's shared state: uploaded files, batch jobs and their lines, stored responses.
+
+One database for all of it (``gateway.state.db``): SQLite in ``--state-dir``
+by default, shared by the gateway processes of one host, or PostgreSQL
+(``--state-db``) shared by every replica, so any replica serves any request.
+``State.connect()`` waits for the database at start and migrates it; while
+a ``--state-db`` has never answered the gateway is not ready (``/ready``).
+An outage later answers 503 on the routes that need state only
+(``errors.StateUnavailable``); a batch line's result is committed or the line
+runs again, never lost. ``State.reap()`` deletes expired files and responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+from gateway import errors
+from gateway.state.batches import Batches
+from gateway.state.db import Database, Unavailable
+from gateway.state.files import Files
+from gateway.state.responses import Responses
+from shared.settings import GatewaySettings, resolve_state_dir
+
+__all__ = ["Batches", "Database", "Files", "Responses", "State", "Unavailable"]
+
+log = logging.getLogger(__name__)
+
+DAY = 24 * 3600
+# Between tries to reach the store at start, and between deletions of what expired.
+CONNECT_PAUSE_SECONDS = 2.0
+REAP_SECONDS = 600.0
+
+T = TypeVar("T")
+
+
+class State:
+    def __init__(self, settings: GatewaySettings) -> None:
+        # A bad --state-db URL is a configuration error: raised (ValueError).
+        self.db = Database(settings.state_db, resolve_state_dir(settings.state_dir))
+        self.shared = bool(settings.state_db)
+        self.files = Files(self.db)
+        self.batches = Batches(self.db, self.files, settings.batch_output_days * DAY)
+        self.responses = Responses(self.db, settings.responses_days * DAY)
+        self.ready = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.problem = "the state store has not answered yet"
+
+    async def connect(self) -> None:
+        """Wait for the database and bring its schema up to date."""
+        warned = False
+        while True:
+            try:
+                await asyncio.to_thread(self.db.migrate)
+            except (Unavailable, OSError) as exc:
+                self.problem = f"the state store {self.db.where} does not answer ({exc})"
+                if not warned:
+                    log.warning("%s; trying again every %.0fs", self.problem, CONNECT_PAUSE_SECONDS)
+                    warned = True
+                await asyncio.sleep(CONNECT_PAUSE_SECONDS)
+                continue
+            log.info("state store: %s", self.db.where)
+            self.problem = ""
+            self.ready.set()
+            return
+
+    async def call(self, method: Callable[..., T], *args: object) -> T:
+        """``method(*args)`` in a thread; 503 if the store is not up (yet, or now)."""
+        if not self.ready.is_set():
+            raise errors.StateUnavailable(f"Files, batches and stored responses: {self.problem}.")
+        try:
+            return await asyncio.to_thread(method, *args)
+        except Unavailable as exc:
+            raise errors.StateUnavailable(
+                f"The state store {self.db.where} does not answer: {exc}."
+            ) from exc
+
+    async def reap(self) -> None:
+        """Delete expired files and responses now and then (every replica may: idempotent)."""
+        await self.ready.wait()
+        while True:
+            try:
+                files = await asyncio.to_thread(self.files.expire)
+                responses = await asyncio.to_thread(self.responses.expire)
+                if files or responses:
+                    log.info(
+                        "state store: deleted %d expired files, %d responses", files, responses
+                    )
+            except Unavailable as exc:
+                log.warning("state store: could not delete what expired (%s)", exc)
+            await asyncio.sleep(REAP_SECONDS)
+
+    def start(self) -> None:
+        """Connect (and migrate), then reap, in the background (call inside the running loop)."""
+        self._tasks = [
+            asyncio.create_task(self.connect(), name="state store connect"),
+            asyncio.create_task(self.reap(), name="state store reaper"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.db.close()
+
+
+def check_url(url: str) -> str:
+    """Why ``--state-db`` cannot be used, or ``""``."""
+    try:
+        Database.check_url(url)
+    except ValueError as exc:
+        return str(exc)
+    return ""

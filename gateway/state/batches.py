@@ -1,0 +1,478 @@
+"""Batch jobs and their lines, worked by every gateway replica at once through leases.
+
+A job's lines are rows; a replica *claims* a few pending lines at a time (a
+lease: its name and a deadline it renews while it runs them), so N replicas
+run a big job on N gateways' admission queues, and a replica that dies
+leaves leases that lapse and are claimed again. A line counts as done only
+once its result is committed, and only the holder of a live lease may commit
+it, once (``state = 'pending'`` in the same statement): a line run twice
+(its replica stalled past the lease) still has exactly one result. Ending a
+job (writing its output and error files) is one replica's work at a time
+too: a lease on the job's row. The output files are assembled from the
+committed rows, and their ids follow from the job's, so ending a job again
+after a crash writes the same files.
+
+PostgreSQL: claims lock the rows they take (``FOR UPDATE SKIP LOCKED``), so
+replicas claiming at once take different lines; SQLite: write transactions
+take turns. Lease times are the replicas' clocks (keep them in NTP sync).
+The OpenAI Batch object is shaped here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from sqlalchemy import Connection, and_, func, insert, or_, select, update
+
+from gateway.state.db import Database
+from gateway.state.files import Files, new_id
+from gateway.state.schema import batches, lines
+
+# A job the runners still have to take further.
+ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+STATUSES = (
+    "validating",
+    "failed",
+    "in_progress",
+    "finalizing",
+    "completed",
+    "expired",
+    "cancelling",
+    "cancelled",
+)
+COMPLETION_SECONDS = {"24h": 24 * 3600}
+# Precompute: a job created with this metadata fills the response cache.
+CACHE_METADATA_KEY = "llmgate_cache"
+
+
+@dataclass(frozen=True)
+class Line:
+    """One request of a batch: its position (0-based, in the file's order), id, route and body."""
+
+    index: int
+    custom_id: str
+    url: str
+    body: bytes
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A line this replica holds a lease on, with what running it needs of its job."""
+
+    batch_id: str
+    line: Line
+    cache: bool
+    expires_at: int
+
+
+@dataclass(frozen=True)
+class Ending:
+    """A job that is ready to end, and how."""
+
+    batch_id: str
+    status: str  # completed, expired or cancelled
+
+
+class Batches:
+    def __init__(self, db: Database, files: Files, output_seconds: float) -> None:
+        self.db = db
+        self.files = files
+        # How long a job's output and error files are kept (0 = for ever).
+        self.output_seconds = output_seconds
+
+    # -- the jobs ----------------------------------------------------------------
+
+    def create(
+        self,
+        input_file_id: str,
+        endpoint: str,
+        completion_window: str,
+        metadata: dict[str, str] | None,
+        rows: list[Line],
+    ) -> dict[str, Any]:
+        """A new job in ``validating`` with its lines, all pending, in one transaction."""
+        batch_id = new_id("batch_")
+        now = int(time.time())
+        expires = now + COMPLETION_SECONDS[completion_window]
+        batch = {
+            "id": batch_id,
+            "object": "batch",
+            "endpoint": endpoint,
+            "model": _model_of(rows[0]) if rows else None,
+            "errors": None,
+            "input_file_id": input_file_id,
+            "completion_window": completion_window,
+            "status": "validating",
+            "output_file_id": None,
+            "error_file_id": None,
+            "created_at": now,
+            "in_progress_at": None,
+            "expires_at": expires,
+            "finalizing_at": None,
+            "completed_at": None,
+            "failed_at": None,
+            "expired_at": None,
+            "cancelling_at": None,
+            "cancelled_at": None,
+            "metadata": metadata,
+            # Filled in by gateway.batch.runner once usage is accounted per key.
+            "usage": None,
+        }
+        with self.db.write() as db:
+            db.execute(
+                insert(batches).values(
+                    id=batch_id,
+                    status="validating",
+                    created_at=now,
+                    expires_at=expires,
+                    object=msgspec.json.encode(batch),
+                )
+            )
+            if rows:
+                db.execute(
+                    insert(lines),
+                    [
+                        {
+                            "batch_id": batch_id,
+                            "line": x.index,
+                            "custom_id": x.custom_id,
+                            "url": x.url,
+                            "body": x.body,
+                        }
+                        for x in rows
+                    ],
+                )
+            return _with_counts(db, batch)
+
+    def get(self, batch_id: str) -> dict[str, Any] | None:
+        with self.db.read() as db:
+            batch = _load(db, batch_id)
+            return _with_counts(db, batch) if batch else None
+
+    def page(self, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
+        """A page of jobs, newest first, and whether more follow."""
+        query = select(batches.c.object)
+        if after:
+            mark = select(batches.c.seq).where(batches.c.id == after).scalar_subquery()
+            query = query.where(batches.c.seq < mark)
+        with self.db.read() as db:
+            rows = list(db.scalars(query.order_by(batches.c.seq.desc()).limit(limit + 1)))
+            page = [_with_counts(db, msgspec.json.decode(row)) for row in rows[:limit]]
+        return page, len(rows) > limit
+
+    def set_status(
+        self, batch_id: str, status: str, only_from: tuple[str, ...] = ()
+    ) -> dict[str, Any] | None:
+        """Move the job to ``status`` (stamping ``STATUS_at``) if it is in one of
+        ``only_from`` (any, if empty); the job as it is after, or None if unknown."""
+        with self.db.write() as db:
+            query = select(batches.c.object).where(batches.c.id == batch_id)
+            if self.db.postgres:
+                query = query.with_for_update()
+            raw = db.scalar(query)
+            if raw is None:
+                return None
+            batch: dict[str, Any] = msgspec.json.decode(raw)
+            if not only_from or batch["status"] in only_from:
+                _save(db, batch, status)
+            return _with_counts(db, batch)
+
+    def start_validated(self) -> list[str]:
+        """Move every job in ``validating`` to ``in_progress``; their ids."""
+        with self.db.read() as db:
+            ids = list(db.scalars(select(batches.c.id).where(batches.c.status == "validating")))
+        return [
+            batch_id
+            for batch_id in ids
+            if (moved := self.set_status(batch_id, "in_progress", ("validating",)))
+            and moved["status"] == "in_progress"
+        ]
+
+    def statuses(self, ids: list[str]) -> dict[str, str]:
+        with self.db.read() as db:
+            rows = db.execute(select(batches.c.id, batches.c.status).where(batches.c.id.in_(ids)))
+            return {row.id: row.status for row in rows}
+
+    def job_counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(STATUSES, 0)
+        query = select(batches.c.status, func.count()).group_by(batches.c.status)
+        with self.db.read() as db:
+            for status, count in db.execute(query):
+                counts[status] = count
+        return counts
+
+    # -- the lines -----------------------------------------------------------------
+
+    def claim(self, owner: str, most: int, lease: float) -> list[Claimed]:
+        """Lease up to ``most`` pending lines no live lease holds, oldest job first."""
+        now = time.time()
+        free = or_(lines.c.lease_until.is_(None), lines.c.lease_until < now)
+        query = (
+            select(lines.c.batch_id, lines.c.line)
+            .join(batches, batches.c.id == lines.c.batch_id)
+            .where(
+                batches.c.status == "in_progress",
+                batches.c.expires_at > now,
+                lines.c.state == "pending",
+                free,
+            )
+            .order_by(batches.c.seq, lines.c.line)
+            .limit(most)
+        )
+        if self.db.postgres:
+            query = query.with_for_update(of=lines, skip_locked=True)
+        with self.db.write() as db:
+            taken: dict[str, list[int]] = {}
+            for batch_id, index in db.execute(query):
+                taken.setdefault(batch_id, []).append(index)
+            claimed: list[Claimed] = []
+            for batch_id, indices in taken.items():
+                db.execute(
+                    update(lines)
+                    .where(lines.c.batch_id == batch_id, lines.c.line.in_(indices))
+                    .values(lease_owner=owner, lease_until=now + lease)
+                )
+                job = _load(db, batch_id)
+                assert job is not None
+                cache = (job.get("metadata") or {}).get(CACHE_METADATA_KEY) == "true"
+                rows = db.execute(
+                    select(lines.c.line, lines.c.custom_id, lines.c.url, lines.c.body)
+                    .where(lines.c.batch_id == batch_id, lines.c.line.in_(indices))
+                    .order_by(lines.c.line)
+                )
+                claimed += [Claimed(batch_id, Line(*row), cache, job["expires_at"]) for row in rows]
+            return claimed
+
+    def renew(self, owner: str, lease: float) -> int:
+        """Extend every lease ``owner`` holds on a pending line; how many."""
+        with self.db.write() as db:
+            return db.execute(
+                update(lines)
+                .where(lines.c.lease_owner == owner, lines.c.state == "pending")
+                .values(lease_until=time.time() + lease)
+            ).rowcount
+
+    def release(self, owner: str, batch_id: str, index: int) -> None:
+        """Give a line back unrun (its job was cancelled, or this replica stops)."""
+        with self.db.write() as db:
+            db.execute(
+                update(lines)
+                .where(_held(owner, batch_id, index), lines.c.state == "pending")
+                .values(lease_owner=None, lease_until=None)
+            )
+
+    def release_all(self, owner: str) -> int:
+        """Give back every line ``owner`` holds (the runner stops); how many."""
+        with self.db.write() as db:
+            return db.execute(
+                update(lines)
+                .where(lines.c.lease_owner == owner, lines.c.state == "pending")
+                .values(lease_owner=None, lease_until=None)
+            ).rowcount
+
+    def finish_line(
+        self, owner: str, batch_id: str, index: int, failed: bool, result: dict[str, Any]
+    ) -> bool:
+        """Commit a line's result, if ``owner``'s lease on it is still live: from
+        now on it is done, whatever happens to any gateway. Whether it was."""
+        with self.db.write() as db:
+            return (
+                db.execute(
+                    update(lines)
+                    .where(
+                        _held(owner, batch_id, index),
+                        lines.c.state == "pending",
+                        lines.c.lease_until > time.time(),
+                    )
+                    .values(
+                        state="failed" if failed else "completed",
+                        result=msgspec.json.encode(result),
+                        done_by=owner,
+                        lease_owner=None,
+                        lease_until=None,
+                    )
+                ).rowcount
+                == 1
+            )
+
+    # -- ending a job ----------------------------------------------------------------
+
+    def ending(self) -> list[Ending]:
+        """Jobs ready to end that no replica is ending: every line done; past the
+        window, or cancelled, with no line under a live lease."""
+        now = time.time()
+        pending = (
+            select(func.count())
+            .where(lines.c.batch_id == batches.c.id, lines.c.state == "pending")
+            .scalar_subquery()
+        )
+        running = (
+            select(func.count())
+            .where(
+                lines.c.batch_id == batches.c.id,
+                lines.c.state == "pending",
+                lines.c.lease_until > now,
+            )
+            .scalar_subquery()
+        )
+        query = select(
+            batches.c.id, batches.c.status, batches.c.expires_at, pending, running
+        ).where(
+            batches.c.status.in_(("in_progress", "finalizing", "cancelling")),
+            or_(batches.c.lease_until.is_(None), batches.c.lease_until < now),
+        )
+        out = []
+        with self.db.read() as db:
+            for batch_id, status, expires_at, left, busy in db.execute(query):
+                if status == "cancelling" and not busy:
+                    out.append(Ending(batch_id, "cancelled"))
+                elif not left:
+                    out.append(Ending(batch_id, "completed"))
+                elif expires_at <= now and not busy:
+                    out.append(Ending(batch_id, "expired"))
+        return out
+
+    def take(self, batch_id: str, owner: str, lease: float) -> bool:
+        """The lease on ending a job, if no live one is held; whether this replica has it."""
+        now = time.time()
+        with self.db.write() as db:
+            return (
+                db.execute(
+                    update(batches)
+                    .where(
+                        batches.c.id == batch_id,
+                        or_(batches.c.lease_until.is_(None), batches.c.lease_until < now),
+                    )
+                    .values(lease_owner=owner, lease_until=now + lease)
+                ).rowcount
+                == 1
+            )
+
+    def finalize(
+        self, batch_id: str, status: str, unrun_code: str, unrun_message: str
+    ) -> tuple[dict[str, Any], int]:
+        """End the job in ``status``: its output file (answers, in input order) and
+        error file (error answers, and ``unrun_code`` errors for lines never run),
+        written from the lines' rows. Safe to repeat (file ids follow from the
+        job's). Returns the job and how many lines never ran."""
+        if status == "completed":
+            self.set_status(batch_id, "finalizing", ("in_progress",))
+        with self.db.read() as db:
+            rows = db.execute(
+                select(lines.c.custom_id, lines.c.state, lines.c.result)
+                .where(lines.c.batch_id == batch_id)
+                .order_by(lines.c.line)
+            ).all()
+        output, failed = [], []
+        unrun = 0
+        for custom_id, state, result in rows:
+            if state == "completed":
+                output.append(result)
+            elif state == "failed":
+                failed.append(result)
+            else:
+                unrun += 1
+                failed.append(msgspec.json.encode(error_line(custom_id, unrun_code, unrun_message)))
+        expires = int(time.time() + self.output_seconds) if self.output_seconds else None
+        output_id = derived_id(batch_id, "output")
+        self.files.add(
+            _jsonl(output), f"{batch_id}_output.jsonl", "batch_output", output_id, expires
+        )
+        error_id = None
+        if failed:
+            error_id = derived_id(batch_id, "error")
+            self.files.add(
+                _jsonl(failed), f"{batch_id}_error.jsonl", "batch_output", error_id, expires
+            )
+        with self.db.write() as db:
+            stored = _load(db, batch_id)
+            assert stored is not None
+            stored["output_file_id"] = output_id
+            stored["error_file_id"] = error_id
+            _save(db, stored, status)
+            db.execute(
+                update(batches)
+                .where(batches.c.id == batch_id)
+                .values(lease_owner=None, lease_until=None)
+            )
+            return _with_counts(db, stored), unrun
+
+
+def output_line(custom_id: str, status_code: int, request_id: str, body: Any) -> dict[str, Any]:
+    """A line of the output (200) or error file (an error status): OpenAI's shape."""
+    return {
+        "id": new_id("batch_req_"),
+        "custom_id": custom_id,
+        "response": {"status_code": status_code, "request_id": request_id, "body": body},
+        "error": None,
+    }
+
+
+def error_line(custom_id: str, code: str, message: str) -> dict[str, Any]:
+    """A line of the error file for a request that got no HTTP answer (never ran)."""
+    return {
+        "id": new_id("batch_req_"),
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": code, "message": message},
+    }
+
+
+def derived_id(batch_id: str, kind: str) -> str:
+    """A file id that is the same every time this batch's ``kind`` file is written."""
+    return "file-" + hashlib.sha256(f"{batch_id}:{kind}".encode()).hexdigest()[:24]
+
+
+def _held(owner: str, batch_id: str, index: int) -> Any:
+    return and_(lines.c.batch_id == batch_id, lines.c.line == index, lines.c.lease_owner == owner)
+
+
+def _load(db: Connection, batch_id: str) -> dict[str, Any] | None:
+    raw = db.scalar(select(batches.c.object).where(batches.c.id == batch_id))
+    if raw is None:
+        return None
+    batch: dict[str, Any] = msgspec.json.decode(raw)
+    return batch
+
+
+def _save(db: Connection, batch: dict[str, Any], status: str) -> None:
+    if batch["status"] != status:
+        batch["status"] = status
+        batch[f"{status}_at"] = int(time.time())
+    db.execute(
+        update(batches)
+        .where(batches.c.id == batch["id"])
+        .values(status=status, object=msgspec.json.encode(batch))
+    )
+
+
+def _with_counts(db: Connection, batch: dict[str, Any]) -> dict[str, Any]:
+    counts = {"pending": 0, "completed": 0, "failed": 0}
+    query = (
+        select(lines.c.state, func.count())
+        .where(lines.c.batch_id == batch["id"])
+        .group_by(lines.c.state)
+    )
+    for state, count in db.execute(query):
+        counts[state] = count
+    return {
+        **batch,
+        "request_counts": {
+            "total": sum(counts.values()),
+            "completed": counts["completed"],
+            "failed": counts["failed"],
+        },
+    }
+
+
+def _jsonl(rows: list[bytes]) -> bytes:
+    return b"".join(row + b"\n" for row in rows)
+
+
+def _model_of(line: Line) -> str | None:
+    model = msgspec.json.decode(line.body).get("model")
+    return model if isinstance(model, str) else None

@@ -1,0 +1,129 @@
+"""Uploaded files and the batches' output files: rows, with their bytes in chunks.
+
+The OpenAI File object is shaped here and nowhere else. A file may carry an
+expiry (``expires_after`` at upload, a batch's outputs after
+``--batch-output-days``); ``expire()`` deletes what is past it, rows and
+bytes, so the space is reclaimed (any replica may run it: deleting twice is
+deleting once).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from sqlalchemy import Connection, delete, func, insert, select
+
+from gateway.state.db import Database
+from gateway.state.schema import CHUNK_BYTES, file_chunks, files
+
+
+def new_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+class Files:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    def add(
+        self,
+        data: bytes,
+        filename: str,
+        purpose: str,
+        file_id: str = "",
+        expires_at: int | None = None,
+    ) -> dict[str, Any]:
+        """Store a file (replacing one of the same id: writing a batch's output again)."""
+        file_id = file_id or new_id("file-")
+        created = int(time.time())
+        row = {
+            "id": file_id,
+            "purpose": purpose,
+            "filename": filename,
+            "bytes": len(data),
+            "created_at": created,
+            "expires_at": expires_at,
+        }
+        with self.db.write() as db:
+            _delete(db, [file_id])
+            db.execute(insert(files).values(row))
+            chunks = [
+                {"file_id": file_id, "n": n, "data": data[at : at + CHUNK_BYTES]}
+                for n, at in enumerate(range(0, len(data), CHUNK_BYTES))
+            ]
+            if chunks:
+                db.execute(insert(file_chunks), chunks)
+        return file_object(row)
+
+    def get(self, file_id: str) -> dict[str, Any] | None:
+        with self.db.read() as db:
+            row = db.execute(select(files).where(files.c.id == file_id)).mappings().first()
+        return file_object(row) if row else None
+
+    def content(self, file_id: str) -> bytes | None:
+        with self.db.read() as db:
+            if db.scalar(select(files.c.id).where(files.c.id == file_id)) is None:
+                return None
+            parts = db.scalars(
+                select(file_chunks.c.data)
+                .where(file_chunks.c.file_id == file_id)
+                .order_by(file_chunks.c.n)
+            )
+            return b"".join(parts)
+
+    def page(
+        self, purpose: str | None, after: str | None, limit: int, ascending: bool
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """A page of files and whether more follow, newest first unless ``ascending``."""
+        query = select(files)
+        if purpose:
+            query = query.where(files.c.purpose == purpose)
+        if after:
+            mark = select(files.c.seq).where(files.c.id == after).scalar_subquery()
+            query = query.where(files.c.seq > mark if ascending else files.c.seq < mark)
+        order = files.c.seq.asc() if ascending else files.c.seq.desc()
+        with self.db.read() as db:
+            rows = db.execute(query.order_by(order).limit(limit + 1)).mappings().all()
+        return [file_object(row) for row in rows[:limit]], len(rows) > limit
+
+    def delete(self, file_id: str) -> bool:
+        with self.db.write() as db:
+            return _delete(db, [file_id]) > 0
+
+    def expire(self, now: float | None = None) -> int:
+        """Delete the files past their expiry; how many."""
+        now = time.time() if now is None else now
+        with self.db.write() as db:
+            gone = list(
+                db.scalars(
+                    select(files.c.id).where(
+                        files.c.expires_at.is_not(None), files.c.expires_at <= now
+                    )
+                )
+            )
+            return _delete(db, gone) if gone else 0
+
+    def total_bytes(self) -> int:
+        with self.db.read() as db:
+            return int(db.scalar(select(func.coalesce(func.sum(files.c.bytes), 0))) or 0)
+
+
+def _delete(db: Connection, ids: list[str]) -> int:
+    db.execute(delete(file_chunks).where(file_chunks.c.file_id.in_(ids)))
+    return db.execute(delete(files).where(files.c.id.in_(ids))).rowcount
+
+
+def file_object(row: Any) -> dict[str, Any]:
+    return {
+        "id": row["id"],
+        "object": "file",
+        "bytes": row["bytes"],
+        "created_at": row["created_at"],
+        "filename": row["filename"],
+        "purpose": row["purpose"],
+        "status": "processed",
+        "status_details": None,
+        "expires_at": row["expires_at"],
+    }

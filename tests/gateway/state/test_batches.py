@@ -1,0 +1,214 @@
+"""gateway/state/batches.py: jobs and lines in OpenAI's shapes; leases that let
+replicas share a job's lines, each committed once; ending a job, again if need be."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import openai.types
+import pytest
+from sqlalchemy import update
+
+from gateway.batch import jsonl
+from gateway.state.batches import STATUSES, Batches, Ending, output_line
+from gateway.state.db import Database
+from gateway.state.files import Files
+from gateway.state.schema import lines as lines_table
+
+CHAT = "/v1/chat/completions"
+
+
+def lines(count: int) -> list[jsonl.Line]:
+    data = "\n".join(
+        json.dumps({"custom_id": f"c{i}", "method": "POST", "url": CHAT, "body": {"model": "m"}})
+        for i in range(count)
+    )
+    return jsonl.parse(data.encode())
+
+
+def batches_on(database: Database) -> Batches:
+    return Batches(database, Files(database), output_seconds=3600)
+
+
+@pytest.fixture
+def store(database: Database) -> Batches:
+    return batches_on(database)
+
+
+def running(store: Batches, count: int, metadata: dict[str, str] | None = None) -> str:
+    batch = store.create("file-x", CHAT, "24h", metadata, lines(count))
+    assert store.start_validated() == [batch["id"]]
+    return str(batch["id"])
+
+
+def ok(custom_id: str) -> dict[str, Any]:
+    return output_line(custom_id, 200, "r", {"ok": custom_id})
+
+
+def lapse(database: Database, owner: str) -> None:
+    """``owner``'s leases run out (its replica died)."""
+    with database.write() as db:
+        db.execute(
+            update(lines_table).where(lines_table.c.lease_owner == owner).values(lease_until=0)
+        )
+
+
+def test_a_job_runs_line_by_line_and_ends_with_its_files(store: Batches) -> None:
+    batch = store.create("file-x", CHAT, "24h", {"k": "v"}, lines(3))
+    parsed = openai.types.Batch.model_validate(batch)
+    assert parsed.status == "validating" and parsed.request_counts is not None
+    assert parsed.request_counts.total == 3 and parsed.model == "m"
+    assert store.claim("a", 10, 30) == []  # validating: not yet
+    store.start_validated()
+    claimed = store.claim("a", 10, 30)
+    assert [c.line.custom_id for c in claimed] == ["c0", "c1", "c2"]
+    assert store.finish_line("a", batch["id"], 0, False, ok("c0"))
+    assert store.finish_line("a", batch["id"], 2, True, output_line("c2", 400, "r2", {"error": {}}))
+    # A line committed twice (a race, a bug) keeps its first result.
+    assert not store.finish_line("a", batch["id"], 0, True, output_line("c0", 500, "r0", {}))
+    counts = store.get(batch["id"])["request_counts"]  # type: ignore[index]
+    assert counts == {"total": 3, "completed": 1, "failed": 1}
+    store.release("a", batch["id"], 1)
+    store.set_status(batch["id"], "cancelling", ("in_progress",))
+    assert store.ending() == [Ending(batch["id"], "cancelled")]
+
+    done, unrun = store.finalize(batch["id"], "cancelled", "batch_cancelled", "not run")
+    assert unrun == 1 and done["status"] == "cancelled" and done["cancelled_at"]
+    output = store.files.content(done["output_file_id"]).splitlines()  # type: ignore[union-attr]
+    failed = store.files.content(done["error_file_id"]).splitlines()  # type: ignore[union-attr]
+    assert [json.loads(x)["custom_id"] for x in output] == ["c0"]
+    assert json.loads(output[0])["response"]["body"] == {"ok": "c0"}
+    by_id = {json.loads(x)["custom_id"]: json.loads(x) for x in failed}
+    assert by_id["c2"]["response"]["status_code"] == 400
+    assert by_id["c1"]["error"]["code"] == "batch_cancelled" and by_id["c1"]["response"] is None
+    assert store.ending() == []
+    # Ending again (a replica killed while ending it) writes the same files.
+    again, _ = store.finalize(batch["id"], "cancelled", "batch_cancelled", "not run")
+    assert again["output_file_id"] == done["output_file_id"]
+    outputs = store.files.page("batch_output", None, 10, True)[0]
+    assert len(outputs) == 2 and all(f["expires_at"] for f in outputs)
+
+
+def test_replicas_claim_different_lines_and_a_dead_ones_lapse_to_the_others(
+    store: Batches, database: Database
+) -> None:
+    batch_id = running(store, 6)
+    first = store.claim("a", 4, 30)
+    second = store.claim("b", 4, 30)
+    assert [c.line.index for c in first] == [0, 1, 2, 3]
+    assert [c.line.index for c in second] == [4, 5]
+    assert store.claim("b", 4, 30) == []  # every line is held
+    assert store.finish_line("a", batch_id, 0, False, ok("c0"))
+    lapse(database, "a")  # replica a dies with 1, 2, 3 in flight
+    taken = store.claim("b", 10, 30)
+    assert [c.line.index for c in taken] == [1, 2, 3]
+    # a comes back from a long stall: its lease is gone, its results are not taken.
+    assert not store.finish_line("a", batch_id, 1, False, ok("c1-a"))
+    for claimed in [*second, *taken]:
+        assert store.finish_line(
+            "b", batch_id, claimed.line.index, False, ok(claimed.line.custom_id)
+        )
+    assert store.ending() == [Ending(batch_id, "completed")]
+    done, unrun = store.finalize(batch_id, "completed", "", "")
+    assert unrun == 0 and done["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
+    output = store.files.content(done["output_file_id"]).splitlines()  # type: ignore[union-attr]
+    assert [json.loads(x)["response"]["body"]["ok"] for x in output] == [f"c{i}" for i in range(6)]
+
+
+def test_a_renewed_lease_outlives_its_first_deadline(store: Batches, database: Database) -> None:
+    batch_id = running(store, 1)
+    [claimed] = store.claim("a", 1, 30)
+    with database.write() as db:  # the first deadline is as good as past
+        db.execute(update(lines_table).values(lease_until=1))
+    assert store.renew("a", 30) == 1
+    assert store.claim("b", 1, 30) == []
+    assert store.finish_line("a", batch_id, claimed.line.index, False, ok("c0"))
+    assert store.renew("a", 30) == 0  # nothing pending is held any more
+
+
+def test_claims_at_once_never_take_a_line_twice(database: Database) -> None:
+    store = batches_on(database)
+    running(store, 200)
+    taken: dict[str, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def claimer(owner: str) -> None:
+        mine = taken.setdefault(owner, [])
+        try:
+            while claimed := batches_on(database).claim(owner, 7, 30):
+                mine += [c.line.index for c in claimed]
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=claimer, args=(f"r{i}",)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    every = sorted(i for mine in taken.values() for i in mine)
+    assert every == list(range(200))
+
+
+def test_only_one_replica_takes_the_lease_on_ending_a_job(store: Batches) -> None:
+    batch_id = running(store, 1)
+    assert store.take(batch_id, "a", 30)
+    assert not store.take(batch_id, "b", 30)
+    assert store.ending() == []  # being ended by a
+
+
+def test_a_job_past_its_window_expires_once_nothing_runs(
+    store: Batches, database: Database
+) -> None:
+    batch_id = running(store, 2)
+    [claimed] = store.claim("a", 1, 30)
+    from gateway.state.schema import batches as batches_table
+
+    with database.write() as db:
+        db.execute(update(batches_table).values(expires_at=0))
+    assert store.claim("b", 5, 30) == []  # nothing new starts past the window
+    assert store.ending() == []  # a line still runs
+    store.release("a", batch_id, claimed.line.index)
+    assert store.ending() == [Ending(batch_id, "expired")]
+
+
+def test_state_survives_a_new_database_on_the_same_directory(tmp_path: Path) -> None:
+    first = Database("", tmp_path)
+    first.migrate()
+    store = batches_on(first)
+    batch_id = running(store, 2)
+    store.claim("a", 2, 30)
+    store.finish_line("a", batch_id, 1, False, ok("c1"))
+    first.close()
+    second = Database("", tmp_path)
+    assert second.migrate() == []
+    again = batches_on(second)
+    lapse(second, "a")
+    assert [c.line.index for c in again.claim("b", 5, 30)] == [0]
+    assert again.job_counts()["in_progress"] == 1
+
+
+def test_set_status_moves_only_from_the_given_statuses(store: Batches) -> None:
+    batch = store.create("file-x", CHAT, "24h", None, lines(1))
+    store.finalize(batch["id"], "completed", "", "")
+    after = store.set_status(batch["id"], "cancelling", ("validating", "in_progress"))
+    assert after is not None and after["status"] == "completed"
+    assert store.set_status("batch_nope", "cancelling") is None
+
+
+def test_every_status_timestamp_is_a_batch_field() -> None:
+    fields = set(openai.types.Batch.model_fields)
+    assert {f"{s}_at" for s in STATUSES if s != "validating"} <= fields
+
+
+def test_the_state_directory_follows_the_flag_then_xdg(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shared.settings import resolve_state_dir
+
+    monkeypatch.setenv("XDG_STATE_HOME", "/srv/state")
+    assert resolve_state_dir("") == Path("/srv/state/llmgate")
+    assert resolve_state_dir("/data/llmgate") == Path("/data/llmgate")
+    monkeypatch.setenv("XDG_STATE_HOME", "relative/ignored")  # the spec: absolute only
+    assert resolve_state_dir("") == Path.home() / ".local" / "state" / "llmgate"

@@ -1,0 +1,61 @@
+"""gateway/state/files.py: files in OpenAI's shape, their bytes in chunks, expiry."""
+
+from __future__ import annotations
+
+import time
+
+import openai.types
+
+from gateway.state.db import Database
+from gateway.state.files import Files
+from gateway.state.schema import CHUNK_BYTES
+
+
+def test_a_file_round_trips_in_openai_shape(database: Database) -> None:
+    files = Files(database)
+    made = files.add(b"abc\n", "in.jsonl", "batch")
+    parsed = openai.types.FileObject.model_validate(made)
+    assert parsed.id.startswith("file-") and parsed.bytes == 4 and parsed.purpose == "batch"
+    assert files.get(made["id"]) == made
+    assert files.content(made["id"]) == b"abc\n"
+    assert files.delete(made["id"]) and files.get(made["id"]) is None
+    assert files.content(made["id"]) is None and not files.delete(made["id"])
+
+
+def test_a_file_larger_than_a_chunk_comes_back_whole(database: Database) -> None:
+    files = Files(database)
+    data = bytes(range(256)) * (CHUNK_BYTES // 256 * 2 + 3)  # two chunks and a bit
+    made = files.add(data, "big.jsonl", "batch")
+    assert files.content(made["id"]) == data and made["bytes"] == len(data)
+    assert files.add(b"", "empty.jsonl", "batch")["bytes"] == 0
+
+
+def test_writing_a_file_again_under_its_id_replaces_it(database: Database) -> None:
+    files = Files(database)
+    files.add(b"first" * CHUNK_BYTES, "out.jsonl", "batch_output", "file-fixed")
+    files.add(b"second", "out.jsonl", "batch_output", "file-fixed")
+    assert files.content("file-fixed") == b"second"
+    assert files.total_bytes() == len(b"second")
+
+
+def test_lists_page_by_creation_order(database: Database) -> None:
+    files = Files(database)
+    ids = [files.add(b"x", f"{i}", "batch")["id"] for i in range(5)]
+    page, more = files.page(None, None, 2, ascending=False)
+    assert [f["id"] for f in page] == [ids[4], ids[3]] and more
+    page, more = files.page(None, ids[1], 10, ascending=True)
+    assert [f["id"] for f in page] == ids[2:] and not more
+    assert files.page("batch_output", None, 10, ascending=True) == ([], False)
+
+
+def test_expired_files_are_deleted_with_their_bytes(database: Database) -> None:
+    files = Files(database)
+    now = int(time.time())
+    gone = files.add(b"old", "a", "batch", expires_at=now + 60)
+    kept = files.add(b"new", "b", "batch", expires_at=now + 7200)
+    forever = files.add(b"all", "c", "batch")
+    assert gone["expires_at"] == now + 60
+    assert files.expire(now + 3600) == 1
+    assert files.get(gone["id"]) is None and files.content(gone["id"]) is None
+    assert files.get(kept["id"]) is not None and files.get(forever["id"]) is not None
+    assert files.total_bytes() == 6
