@@ -31,7 +31,7 @@ from typing import Any
 
 from gateway import errors
 from gateway.batch import jsonl
-from gateway.state.batches import CACHE_METADATA_KEY
+from gateway.state.lines import CACHE_METADATA_KEY
 from shared import routes
 from shared.ports import free_port, free_port_range
 

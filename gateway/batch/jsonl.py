@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from gateway import errors, schemas
-from gateway.state.batches import Line
+from gateway.state.lines import Line
 from shared.routes import ROUTES
 
 # The endpoints a batch may run: the route table's batchable routes (sorted,

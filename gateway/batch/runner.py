@@ -42,8 +42,9 @@ from gateway import errors, metrics
 from gateway.api.request_ids import HEADER as REQUEST_ID_HEADER
 from gateway.batch.jsonl import ENDPOINTS
 from gateway.state import State, Unavailable
-from gateway.state.batches import STATUSES, Batches, Claimed, Ending, Line, output_line
+from gateway.state.batches import STATUSES, Batches, Ending, output_line
 from gateway.state.db import owner_name
+from gateway.state.lines import Claimed, Line
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ class Runner:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.state.ready.is_set():
             with contextlib.suppress(Unavailable):
-                await asyncio.to_thread(self.batches.release_all, self.owner)
+                await asyncio.to_thread(self.batches.lines.release_all, self.owner)
 
     def wake(self) -> None:
         """A job was created or cancelled in this process: look now, not at the next poll."""
@@ -180,11 +181,11 @@ class Runner:
             await self._survey()
         if self._lines and now - self._renewed >= RENEW_SECONDS:
             self._renewed = now
-            await asyncio.to_thread(self.batches.renew, self.owner, LEASE_SECONDS)
+            await asyncio.to_thread(self.batches.lines.renew, self.owner, LEASE_SECONDS)
         room = self.cap() - self.in_flight
         if room <= 0:
             return
-        claimed = await asyncio.to_thread(self.batches.claim, self.owner, room, LEASE_SECONDS)
+        claimed = await asyncio.to_thread(self.batches.lines.claim, self.owner, room, LEASE_SECONDS)
         if claimed:
             self._renewed = time.monotonic()
         for line in claimed:
@@ -225,13 +226,15 @@ class Runner:
             outcome = await self._outcome(job, line, claimed.cache)
             if outcome is None:
                 # Cancelled, or past the window: unrun, the error file says so.
-                await asyncio.to_thread(self.batches.release, self.owner, job.batch_id, line.index)
+                await asyncio.to_thread(
+                    self.batches.lines.release, self.owner, job.batch_id, line.index
+                )
                 return
             status, request_id, body = outcome
             failed = status != 200
             result = output_line(line.custom_id, status, request_id, body)
             committed = await asyncio.to_thread(
-                self.batches.finish_line, self.owner, job.batch_id, line.index, failed, result
+                self.batches.lines.finish_line, self.owner, job.batch_id, line.index, failed, result
             )
             if committed:
                 metrics.child(metrics.BATCH_LINES, "failed" if failed else "completed").inc()

@@ -1,21 +1,11 @@
-"""Batch jobs and their lines, worked by every gateway replica at once through leases.
+"""Batch jobs: created with their lines, run by every replica (``gateway.state.lines``), ended once.
 
-A job's lines are rows; a replica *claims* a few pending lines at a time (a
-lease: its name and a deadline it renews while it runs them), so N replicas
-run a big job on N gateways' admission queues, and a replica that dies
-leaves leases that lapse and are claimed again. A line counts as done only
-once its result is committed, and only the holder of a live lease may commit
-it, once (``state = 'pending'`` in the same statement): a line run twice
-(its replica stalled past the lease) still has exactly one result. Ending a
-job (writing its output and error files) is one replica's work at a time
-too: a lease on the job's row. The output files are assembled from the
-committed rows, and their ids follow from the job's, so ending a job again
-after a crash writes the same files.
-
-PostgreSQL: claims lock the rows they take (``FOR UPDATE SKIP LOCKED``), so
-replicas claiming at once take different lines; SQLite: write transactions
-take turns. Lease times are the replicas' clocks (keep them in NTP sync).
-The OpenAI Batch object is shaped here and nowhere else.
+A job's lines are rows, leased to the replicas that run them. A job whose
+lines are all done (or that was cancelled, or ran past its window) is ended
+by one replica at a time too, under a lease on the job's row: its output and
+error files are assembled from the committed rows, and their ids follow from
+the job's, so ending a job again after a crash writes the same files. The
+OpenAI Batch object is shaped here and nowhere else.
 """
 
 from __future__ import annotations
@@ -26,10 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from sqlalchemy import Connection, and_, func, insert, or_, select, update
+from sqlalchemy import Connection, func, insert, or_, select, update
 
 from gateway.state.db import Database
 from gateway.state.files import Files, new_id
+from gateway.state.lines import Line, Lines
 from gateway.state.schema import batches, lines
 
 # A job the runners still have to take further.
@@ -45,28 +36,6 @@ STATUSES = (
     "cancelled",
 )
 COMPLETION_SECONDS = {"24h": 24 * 3600}
-# Precompute: a job created with this metadata fills the response cache.
-CACHE_METADATA_KEY = "llmgate_cache"
-
-
-@dataclass(frozen=True)
-class Line:
-    """One request of a batch: its position (0-based, in the file's order), id, route and body."""
-
-    index: int
-    custom_id: str
-    url: str
-    body: bytes
-
-
-@dataclass(frozen=True)
-class Claimed:
-    """A line this replica holds a lease on, with what running it needs of its job."""
-
-    batch_id: str
-    line: Line
-    cache: bool
-    expires_at: int
 
 
 @dataclass(frozen=True)
@@ -81,6 +50,7 @@ class Batches:
     def __init__(self, db: Database, files: Files, output_seconds: float) -> None:
         self.db = db
         self.files = files
+        self.lines = Lines(db)
         # How long a job's output and error files are kept (0 = for ever).
         self.output_seconds = output_seconds
 
@@ -204,100 +174,6 @@ class Batches:
             for status, count in db.execute(query):
                 counts[status] = count
         return counts
-
-    # -- the lines -----------------------------------------------------------------
-
-    def claim(self, owner: str, most: int, lease: float) -> list[Claimed]:
-        """Lease up to ``most`` pending lines no live lease holds, oldest job first."""
-        now = time.time()
-        free = or_(lines.c.lease_until.is_(None), lines.c.lease_until < now)
-        query = (
-            select(lines.c.batch_id, lines.c.line)
-            .join(batches, batches.c.id == lines.c.batch_id)
-            .where(
-                batches.c.status == "in_progress",
-                batches.c.expires_at > now,
-                lines.c.state == "pending",
-                free,
-            )
-            .order_by(batches.c.seq, lines.c.line)
-            .limit(most)
-        )
-        if self.db.postgres:
-            query = query.with_for_update(of=lines, skip_locked=True)
-        with self.db.write() as db:
-            taken: dict[str, list[int]] = {}
-            for batch_id, index in db.execute(query):
-                taken.setdefault(batch_id, []).append(index)
-            claimed: list[Claimed] = []
-            for batch_id, indices in taken.items():
-                db.execute(
-                    update(lines)
-                    .where(lines.c.batch_id == batch_id, lines.c.line.in_(indices))
-                    .values(lease_owner=owner, lease_until=now + lease)
-                )
-                job = _load(db, batch_id)
-                assert job is not None
-                cache = (job.get("metadata") or {}).get(CACHE_METADATA_KEY) == "true"
-                rows = db.execute(
-                    select(lines.c.line, lines.c.custom_id, lines.c.url, lines.c.body)
-                    .where(lines.c.batch_id == batch_id, lines.c.line.in_(indices))
-                    .order_by(lines.c.line)
-                )
-                claimed += [Claimed(batch_id, Line(*row), cache, job["expires_at"]) for row in rows]
-            return claimed
-
-    def renew(self, owner: str, lease: float) -> int:
-        """Extend every lease ``owner`` holds on a pending line; how many."""
-        with self.db.write() as db:
-            return db.execute(
-                update(lines)
-                .where(lines.c.lease_owner == owner, lines.c.state == "pending")
-                .values(lease_until=time.time() + lease)
-            ).rowcount
-
-    def release(self, owner: str, batch_id: str, index: int) -> None:
-        """Give a line back unrun (its job was cancelled, or this replica stops)."""
-        with self.db.write() as db:
-            db.execute(
-                update(lines)
-                .where(_held(owner, batch_id, index), lines.c.state == "pending")
-                .values(lease_owner=None, lease_until=None)
-            )
-
-    def release_all(self, owner: str) -> int:
-        """Give back every line ``owner`` holds (the runner stops); how many."""
-        with self.db.write() as db:
-            return db.execute(
-                update(lines)
-                .where(lines.c.lease_owner == owner, lines.c.state == "pending")
-                .values(lease_owner=None, lease_until=None)
-            ).rowcount
-
-    def finish_line(
-        self, owner: str, batch_id: str, index: int, failed: bool, result: dict[str, Any]
-    ) -> bool:
-        """Commit a line's result, if ``owner``'s lease on it is still live: from
-        now on it is done, whatever happens to any gateway. Whether it was."""
-        with self.db.write() as db:
-            return (
-                db.execute(
-                    update(lines)
-                    .where(
-                        _held(owner, batch_id, index),
-                        lines.c.state == "pending",
-                        lines.c.lease_until > time.time(),
-                    )
-                    .values(
-                        state="failed" if failed else "completed",
-                        result=msgspec.json.encode(result),
-                        done_by=owner,
-                        lease_owner=None,
-                        lease_until=None,
-                    )
-                ).rowcount
-                == 1
-            )
 
     # -- ending a job ----------------------------------------------------------------
 
@@ -425,10 +301,6 @@ def error_line(custom_id: str, code: str, message: str) -> dict[str, Any]:
 def derived_id(batch_id: str, kind: str) -> str:
     """A file id that is the same every time this batch's ``kind`` file is written."""
     return "file-" + hashlib.sha256(f"{batch_id}:{kind}".encode()).hexdigest()[:24]
-
-
-def _held(owner: str, batch_id: str, index: int) -> Any:
-    return and_(lines.c.batch_id == batch_id, lines.c.line == index, lines.c.lease_owner == owner)
 
 
 def _load(db: Connection, batch_id: str) -> dict[str, Any] | None:

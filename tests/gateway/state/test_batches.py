@@ -61,17 +61,19 @@ def test_a_job_runs_line_by_line_and_ends_with_its_files(store: Batches) -> None
     parsed = openai.types.Batch.model_validate(batch)
     assert parsed.status == "validating" and parsed.request_counts is not None
     assert parsed.request_counts.total == 3 and parsed.model == "m"
-    assert store.claim("a", 10, 30) == []  # validating: not yet
+    assert store.lines.claim("a", 10, 30) == []  # validating: not yet
     store.start_validated()
-    claimed = store.claim("a", 10, 30)
+    claimed = store.lines.claim("a", 10, 30)
     assert [c.line.custom_id for c in claimed] == ["c0", "c1", "c2"]
-    assert store.finish_line("a", batch["id"], 0, False, ok("c0"))
-    assert store.finish_line("a", batch["id"], 2, True, output_line("c2", 400, "r2", {"error": {}}))
+    assert store.lines.finish_line("a", batch["id"], 0, False, ok("c0"))
+    assert store.lines.finish_line(
+        "a", batch["id"], 2, True, output_line("c2", 400, "r2", {"error": {}})
+    )
     # A line committed twice (a race, a bug) keeps its first result.
-    assert not store.finish_line("a", batch["id"], 0, True, output_line("c0", 500, "r0", {}))
+    assert not store.lines.finish_line("a", batch["id"], 0, True, output_line("c0", 500, "r0", {}))
     counts = store.get(batch["id"])["request_counts"]  # type: ignore[index]
     assert counts == {"total": 3, "completed": 1, "failed": 1}
-    store.release("a", batch["id"], 1)
+    store.lines.release("a", batch["id"], 1)
     store.set_status(batch["id"], "cancelling", ("in_progress",))
     assert store.ending() == [Ending(batch["id"], "cancelled")]
 
@@ -96,19 +98,19 @@ def test_replicas_claim_different_lines_and_a_dead_ones_lapse_to_the_others(
     store: Batches, database: Database
 ) -> None:
     batch_id = running(store, 6)
-    first = store.claim("a", 4, 30)
-    second = store.claim("b", 4, 30)
+    first = store.lines.claim("a", 4, 30)
+    second = store.lines.claim("b", 4, 30)
     assert [c.line.index for c in first] == [0, 1, 2, 3]
     assert [c.line.index for c in second] == [4, 5]
-    assert store.claim("b", 4, 30) == []  # every line is held
-    assert store.finish_line("a", batch_id, 0, False, ok("c0"))
+    assert store.lines.claim("b", 4, 30) == []  # every line is held
+    assert store.lines.finish_line("a", batch_id, 0, False, ok("c0"))
     lapse(database, "a")  # replica a dies with 1, 2, 3 in flight
-    taken = store.claim("b", 10, 30)
+    taken = store.lines.claim("b", 10, 30)
     assert [c.line.index for c in taken] == [1, 2, 3]
     # a comes back from a long stall: its lease is gone, its results are not taken.
-    assert not store.finish_line("a", batch_id, 1, False, ok("c1-a"))
+    assert not store.lines.finish_line("a", batch_id, 1, False, ok("c1-a"))
     for claimed in [*second, *taken]:
-        assert store.finish_line(
+        assert store.lines.finish_line(
             "b", batch_id, claimed.line.index, False, ok(claimed.line.custom_id)
         )
     assert store.ending() == [Ending(batch_id, "completed")]
@@ -120,13 +122,13 @@ def test_replicas_claim_different_lines_and_a_dead_ones_lapse_to_the_others(
 
 def test_a_renewed_lease_outlives_its_first_deadline(store: Batches, database: Database) -> None:
     batch_id = running(store, 1)
-    [claimed] = store.claim("a", 1, 30)
+    [claimed] = store.lines.claim("a", 1, 30)
     with database.write() as db:  # the first deadline is as good as past
         db.execute(update(lines_table).values(lease_until=1))
-    assert store.renew("a", 30) == 1
-    assert store.claim("b", 1, 30) == []
-    assert store.finish_line("a", batch_id, claimed.line.index, False, ok("c0"))
-    assert store.renew("a", 30) == 0  # nothing pending is held any more
+    assert store.lines.renew("a", 30) == 1
+    assert store.lines.claim("b", 1, 30) == []
+    assert store.lines.finish_line("a", batch_id, claimed.line.index, False, ok("c0"))
+    assert store.lines.renew("a", 30) == 0  # nothing pending is held any more
 
 
 def test_claims_at_once_never_take_a_line_twice(database: Database) -> None:
@@ -138,7 +140,7 @@ def test_claims_at_once_never_take_a_line_twice(database: Database) -> None:
     def claimer(owner: str) -> None:
         mine = taken.setdefault(owner, [])
         try:
-            while claimed := batches_on(database).claim(owner, 7, 30):
+            while claimed := batches_on(database).lines.claim(owner, 7, 30):
                 mine += [c.line.index for c in claimed]
         except BaseException as exc:  # surfaced below
             errors.append(exc)
@@ -164,14 +166,14 @@ def test_a_job_past_its_window_expires_once_nothing_runs(
     store: Batches, database: Database
 ) -> None:
     batch_id = running(store, 2)
-    [claimed] = store.claim("a", 1, 30)
+    [claimed] = store.lines.claim("a", 1, 30)
     from gateway.state.schema import batches as batches_table
 
     with database.write() as db:
         db.execute(update(batches_table).values(expires_at=0))
-    assert store.claim("b", 5, 30) == []  # nothing new starts past the window
+    assert store.lines.claim("b", 5, 30) == []  # nothing new starts past the window
     assert store.ending() == []  # a line still runs
-    store.release("a", batch_id, claimed.line.index)
+    store.lines.release("a", batch_id, claimed.line.index)
     assert store.ending() == [Ending(batch_id, "expired")]
 
 
@@ -180,14 +182,14 @@ def test_state_survives_a_new_database_on_the_same_directory(tmp_path: Path) -> 
     first.migrate()
     store = batches_on(first)
     batch_id = running(store, 2)
-    store.claim("a", 2, 30)
-    store.finish_line("a", batch_id, 1, False, ok("c1"))
+    store.lines.claim("a", 2, 30)
+    store.lines.finish_line("a", batch_id, 1, False, ok("c1"))
     first.close()
     second = Database("", tmp_path)
     assert second.migrate() == []
     again = batches_on(second)
     lapse(second, "a")
-    assert [c.line.index for c in again.claim("b", 5, 30)] == [0]
+    assert [c.line.index for c in again.lines.claim("b", 5, 30)] == [0]
     assert again.job_counts()["in_progress"] == 1
 
 
