@@ -53,9 +53,9 @@ def create_app(settings: GatewaySettings) -> ASGIApp:
     app: ASGIApp = direct.DirectRoutes(api)
     # The batch runner's way in (gateway.batch.runner): below the API-key check.
     api.state.requests_app = app
-    api_keys = auth.load_api_keys(settings)
-    if api_keys:
-        app = auth.ApiKeyMiddleware(app, keys=api_keys, protect_metrics=settings.protect_metrics)
+    ring = auth.KeyRing(settings)
+    if len(ring):
+        app = auth.ApiKeyMiddleware(app, keys=ring, protect_metrics=settings.protect_metrics)
     return request_ids.RequestIds(app)
 
 

@@ -6,6 +6,7 @@ Every error a client can see is a :class:`GatewayError`:
     ├── BadRequest                   (400 invalid_request_error)
     │   └── PayloadTooLarge          (413 invalid_request_error)
     ├── Unauthorized                 (401 invalid_request_error, code invalid_api_key)
+    ├── Forbidden                    (403 invalid_request_error, code model_not_allowed)
     ├── NotFound                     (404 invalid_request_error: no such route)
     │   └── ModelNotFound            (404 invalid_request_error, code model_not_found)
     ├── Overloaded                   (429 rate_limit_exceeded, Retry-After)
@@ -73,6 +74,14 @@ class Unauthorized(GatewayError):
 
     def headers(self) -> dict[str, str]:
         return {"WWW-Authenticate": "Bearer"}
+
+
+class Forbidden(GatewayError):
+    """The request's API key may not use the model it asked for (its ``models``)."""
+
+    status = 403
+    type = "invalid_request_error"
+    code = "model_not_allowed"
 
 
 class NotFound(GatewayError):

@@ -15,7 +15,10 @@ SUBCOMMANDS = {
     "gateway": ("gateway.main", "run one gateway (OpenAI HTTP API)"),
     "convert-model": ("worker.embedded_model", "convert the embedded model (done on demand)"),
     "batch": ("gateway.batch.cli", "run a JSONL file of requests as a batch job (OpenAI's format)"),
-    "keys": ("shared.keys", "generate CURVE key pairs for encrypted gateway-worker links"),
+    "keys": (
+        "shared.keys",
+        "API keys with limits (add, list, revoke) and CURVE key pairs (generate)",
+    ),
 }
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import zmq
 from zmq.auth.certs import load_certificate, load_certificates
 
+from shared import api_keys
 from shared.settings import GatewaySettings, WorkerSettings
 
 PUBLIC_SUFFIX = ".key"
@@ -190,7 +191,9 @@ def _write(path: Path, text: str, mode: int) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="llmgate keys", description="CURVE keys for encrypted gateway-worker links."
+        prog="llmgate keys",
+        description="API keys with names and limits (add, list, revoke: shared.api_keys), "
+        "and CURVE keys for encrypted gateway-worker links (generate).",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     generate_cmd = commands.add_parser(
@@ -201,11 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--dir", default=".", help="directory to write into (created if missing) [default .]"
     )
     generate_cmd.add_argument("--force", action="store_true", help="replace existing files")
+    api_keys.add_commands(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if api_keys.run(args):
+        return
     try:
         public_path, secret_path = generate(args.dir, args.name, args.force)
     except (KeyFileError, OSError) as exc:

@@ -197,7 +197,12 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
         ),
     ] = ""
     api_keys_file: Annotated[
-        str, _help("file of API keys, one per line, `#` starts a comment; adds to --api-keys")
+        str,
+        _help(
+            "file of API keys: one per line (`#` starts a comment), or YAML with names, "
+            "limits, models, priority and admin per key (docs: tenants); re-read when it "
+            "changes; adds to --api-keys"
+        ),
     ] = ""
     protect_metrics: Annotated[
         bool, _help("with API keys, require one on /metrics too (/health and /ready stay open)")

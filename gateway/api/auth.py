@@ -1,4 +1,4 @@
-"""API keys: ``Authorization: Bearer KEY`` on every route but the probes.
+"""API keys: ``Authorization: Bearer KEY`` on every route but the probes, and who the key is.
 
 A pure ASGI middleware rather than a FastAPI dependency: it runs before
 routing and before a byte of the body is read, covers every route (those of
@@ -8,22 +8,41 @@ installed at all.
 
 The presented key is hashed before comparing, so every comparison is of two
 32-byte digests: neither a key's length nor which key matched shows in the
-timing. Keys are never logged and never echoed in a response.
+timing. Keys are never logged and never echoed in a response. The matching
+key's entry (``shared.api_keys.KeyEntry``: its name, limits, models,
+priority) goes on in ``scope["llmgate.key"]`` for the code that enforces
+them.
+
+``--api-keys-file`` is looked at again every ``RELOAD_SECONDS`` (one
+``stat``); when it changed it is re-read, so a key added or revoked takes
+effect within seconds in every process and replica that mounts the file,
+with no restart. A file that no longer loads keeps the keys it had, and
+says why in the log.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
+import os
+import time
 from pathlib import Path
+from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway import errors
 from gateway.api.request_ids import with_request_id
 from gateway.routes import render
-from shared import routes
+from shared import api_keys, routes
+from shared.api_keys import KeyEntry
 from shared.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+SCOPE_KEY = "llmgate.key"
+RELOAD_SECONDS = 1.0
 
 _MISSING = errors.Unauthorized(
     "You didn't provide an API key. Send it in an Authorization header using Bearer auth "
@@ -32,29 +51,80 @@ _MISSING = errors.Unauthorized(
 _WRONG = errors.Unauthorized("Incorrect API key provided.")
 
 
-def load_api_keys(settings: GatewaySettings) -> list[str]:
-    """Every configured key: ``--api-keys`` and the lines of ``--api-keys-file``.
-
-    A keys file that holds no key is an error, not "no authentication": an
-    empty secret mount must not open the gateway.
-    """
-    keys = [key.strip() for key in settings.api_keys.split(",") if key.strip()]
+def load_api_keys(settings: GatewaySettings) -> list[KeyEntry]:
+    """Every configured key: ``--api-keys`` and those of ``--api-keys-file``
+    (ValueError, never quoting a key, for a file that cannot be used)."""
+    entries = [
+        api_keys.plain_entry(key.strip()) for key in settings.api_keys.split(",") if key.strip()
+    ]
     if settings.api_keys_file:
-        path = Path(settings.api_keys_file)
+        entries += api_keys.load(settings.api_keys_file)
+    digests = [entry.key_sha256 for entry in entries]
+    if len(set(digests)) != len(digests):
+        raise ValueError("a key of --api-keys is in --api-keys-file too")
+    return entries
+
+
+def api_key_of(scope: Any) -> KeyEntry | None:
+    """The request's API key entry (None without keys)."""
+    entry: KeyEntry | None = scope.get(SCOPE_KEY)
+    return entry
+
+
+class KeyRing:
+    """The configured keys by digest, re-read from ``--api-keys-file`` when it changes."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.path = Path(settings.api_keys_file) if settings.api_keys_file else None
+        self._stamp = self._stat()
+        self._checked = time.monotonic()
+        self._set(load_api_keys(settings))
+
+    @classmethod
+    def of(cls, keys: list[str]) -> KeyRing:
+        return cls(GatewaySettings(api_keys=",".join(keys)))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _set(self, entries: list[KeyEntry]) -> None:
+        self._entries = [(bytes.fromhex(entry.key_sha256), entry) for entry in entries]
+
+    def _stat(self) -> tuple[float, int, int] | None:
+        if self.path is None:
+            return None
         try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"cannot read --api-keys-file {path}: {exc}") from exc
-        from_file = [line.split("#", 1)[0].strip() for line in text.splitlines()]
-        from_file = [key for key in from_file if key]
-        if not from_file:
-            raise ValueError(f"--api-keys-file {path} holds no key")
-        keys += from_file
-    for key in keys:
-        if not key.isascii() or not key.isprintable() or " " in key:
-            # Said without the key itself: this message may reach a log.
-            raise ValueError("an API key must be printable ASCII without spaces")
-    return keys
+            stat = os.stat(self.path)
+        except OSError:
+            return None
+        return (stat.st_mtime, stat.st_ino, stat.st_size)
+
+    def refresh(self) -> None:
+        """Re-read the file if it changed (at most every ``RELOAD_SECONDS``)."""
+        now = time.monotonic()
+        if self.path is None or now - self._checked < RELOAD_SECONDS:
+            return
+        self._checked = now
+        stamp = self._stat()
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp
+        try:
+            entries = load_api_keys(self.settings)
+        except ValueError as exc:
+            log.error("API keys: keeping the keys loaded before: %s", exc)
+            return
+        self._set(entries)
+        log.info("API keys: re-read %s: %d keys", self.path, len(entries))
+
+    def match(self, token: bytes) -> KeyEntry | None:
+        presented = _digest(token)
+        found = None
+        for digest, entry in self._entries:  # no early exit: the same time for every key
+            if hmac.compare_digest(presented, digest):
+                found = entry
+        return found
 
 
 def _digest(key: bytes) -> bytes:
@@ -62,11 +132,14 @@ def _digest(key: bytes) -> bytes:
 
 
 class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, keys: list[str], protect_metrics: bool = False) -> None:
-        if not keys:
+    def __init__(
+        self, app: ASGIApp, keys: KeyRing | list[str], protect_metrics: bool = False
+    ) -> None:
+        ring = keys if isinstance(keys, KeyRing) else KeyRing.of(keys)
+        if not len(ring):
             raise ValueError("ApiKeyMiddleware needs at least one key")
         self.app = app
-        self._digests = tuple(_digest(key.encode("ascii")) for key in keys)
+        self.ring = ring
         # Load balancers and Kubernetes probes carry no key (the route table's `key`).
         self._open = routes.open_paths(protect_metrics)
 
@@ -74,23 +147,16 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in self._open:
             await self.app(scope, receive, send)
             return
-        error = self._check(scope["headers"])
-        if error is None:
+        self.ring.refresh()
+        token = _bearer_token(scope["headers"])
+        entry = None if token is None else self.ring.match(token)
+        if entry is not None:
+            scope[SCOPE_KEY] = entry
             await self.app(scope, receive, send)
             return
+        error = _MISSING if token is None else _WRONG
         # In the route's dialect: TGI's client reads TGI's error body.
         await with_request_id(render(error, scope["path"]), scope)(scope, receive, send)
-
-    def _check(self, headers: list[tuple[bytes, bytes]]) -> errors.Unauthorized | None:
-        """None if the request carries a configured key, else the error to send."""
-        token = _bearer_token(headers)
-        if token is None:
-            return _MISSING
-        presented = _digest(token)
-        matched = False
-        for digest in self._digests:  # no early exit: the time is the same for every key
-            matched |= hmac.compare_digest(presented, digest)
-        return None if matched else _WRONG
 
 
 def _bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:

@@ -39,6 +39,7 @@ from fastapi.responses import Response
 from gateway import cascade, errors, schemas, sse, tracing
 from gateway.api.accounting import Accounting
 from gateway.api.attempts import Attempts
+from gateway.api.auth import api_key_of
 from gateway.api.cached import cache_step
 from gateway.api.headers import STREAM_HEADERS, answer_headers
 from gateway.api.http import DisconnectWatch, EventStream, deadline, header
@@ -107,6 +108,12 @@ class Call:
         # waiting in the queue, for its worker, or for the first token.
         watch = DisconnectWatch(self.request)
         try:
+            entry = api_key_of(self.request.scope)
+            if entry is not None and not entry.allows(self.body.model):
+                raise errors.Forbidden(
+                    f"The API key {entry.name!r} may not use the model `{self.body.model}`.",
+                    "model",
+                )
             self.target = self.pool.resolve(
                 self.body.model, self.raw, self.request.scope["headers"]
             )

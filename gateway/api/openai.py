@@ -15,6 +15,7 @@ from fastapi.responses import Response
 
 from gateway import schemas, sse
 from gateway.api import vllm_routes
+from gateway.api.auth import api_key_of
 from gateway.api.call import Call
 from gateway.api.http import read_body
 from gateway.api.state import pool_of, settings_of
@@ -33,6 +34,9 @@ async def list_models(request: Request) -> Response:
     # models the workers serve (--config).
     entries: list[dict[str, Any]] = [{"id": model} for model in served]
     entries += pool.listing(served)
+    entry = api_key_of(request.scope)
+    if entry is not None:  # a key sees the models it may use
+        entries = [item for item in entries if entry.allows(item["id"])]
     data = [
         {"object": "model", "created": pool.started_at, "owned_by": "llmgate", **entry}
         for entry in entries

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.api.auth import ApiKeyMiddleware, load_api_keys
+from shared.api_keys import sha256_hex
 from shared.settings import GatewaySettings
 
 KEYS = ["k1", "sk-second-key"]
@@ -41,7 +42,11 @@ def test_keys_come_from_the_flag_and_the_file(tmp_path: Path) -> None:
     keys_file = tmp_path / "keys"
     keys_file.write_text("# team a\nfile-key-1\n\n  file-key-2  # rotated in May\n")
     loaded = load_api_keys(GatewaySettings(api_keys=" a, b ,,", api_keys_file=str(keys_file)))
-    assert loaded == ["a", "b", "file-key-1", "file-key-2"]
+    assert [entry.key_sha256 for entry in loaded] == [
+        sha256_hex(key) for key in ["a", "b", "file-key-1", "file-key-2"]
+    ]
+    # Named by their hashes' first digits: stable, and no use to anyone who reads them.
+    assert [entry.name for entry in loaded][:2] == [f"key-{sha256_hex(k)[:8]}" for k in "ab"]
 
 
 def test_no_keys_means_no_authentication() -> None:
@@ -211,3 +216,46 @@ def test_any_raw_header_gets_200_or_401_and_only_a_real_key_gets_in(
     assert status == (200 if real_key else 401)
     if status == 401:
         assert json.loads(sent[1]["body"])["error"]["code"] == "invalid_api_key"
+
+
+# -- the keys file, re-read -------------------------------------------------------
+
+
+def test_a_key_added_or_revoked_in_the_file_counts_after_the_next_look(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gateway.api import auth
+    from shared import api_keys
+
+    path = tmp_path / "keys.yaml"
+    first = api_keys.add(path, "a")
+    ring = auth.KeyRing(GatewaySettings(api_keys_file=str(path)))
+    entry = ring.match(first.encode())
+    assert entry is not None and entry.name == "a"
+    second = api_keys.add(path, "b", requests_per_minute=5)
+    api_keys.revoke(path, "a")
+    monkeypatch.setattr(auth, "RELOAD_SECONDS", 0.0)
+    ring.refresh()
+    assert ring.match(first.encode()) is None
+    entry = ring.match(second.encode())
+    assert entry is not None and entry.requests_per_minute == 5
+    # A file that stops loading keeps the keys it had.
+    path.write_text("keys:\n  - name: broken\n")
+    ring.refresh()
+    assert ring.match(second.encode()) is not None
+
+
+async def test_the_matching_key_is_in_the_scope_for_what_comes_after() -> None:
+    seen: list[object] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(scope.get("llmgate.key"))
+        await _ok_app(scope, receive, send)
+
+    middleware = ApiKeyMiddleware(app, ["k1", "k2"])
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(middleware), base_url="http://t"
+    ) as client:
+        response = await client.get("/v1/models", headers={"Authorization": "Bearer k2"})
+    assert response.status_code == 200
+    assert [getattr(entry, "key_sha256", None) for entry in seen] == [sha256_hex("k2")]

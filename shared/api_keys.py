@@ -1,0 +1,285 @@
+"""Named API keys with limits: the ``--api-keys-file`` formats, ``llmgate keys add|list|revoke``.
+
+A keys file is either a plain list (one key per line, ``#`` comments), as
+before, or YAML with a list under ``keys:``::
+
+    keys:
+      - name: team-a
+        key_sha256: 9f86d081884c7d65...   # or `key: sk-...` (the secret itself)
+        requests_per_minute: 600          # optional limits; absent = none
+        tokens_per_minute: 200000         # prompt + completion
+        max_concurrent: 16
+        models: [smollm2, chat]           # served names and aliases it may use
+        priority: interactive             # or batch: only slots no interactive request waits for
+        admin: false                      # sees every key's usage, files, batches, responses
+
+Only the SHA-256 of a key is kept in memory (and, written by ``llmgate keys
+add``, in the file), so the file need not hold secrets. A key from a plain
+list or ``--api-keys`` is named ``key-`` and the first 8 hex digits of its
+hash: a stable name for usage and metrics that reveals nothing usable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import secrets
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import yaml
+
+PRIORITIES = ("interactive", "batch")
+KEY_PREFIX = "sk-llmgate-"
+
+
+class KeyEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One key: who it is, and what it may do. A limit of 0 is no limit."""
+
+    name: str
+    key_sha256: str
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0
+    max_concurrent: int = 0
+    # None: every model; else the served names and aliases it may use.
+    models: tuple[str, ...] | None = None
+    priority: Literal["interactive", "batch"] = "interactive"
+    admin: bool = False
+
+    def allows(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+
+class _FileEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    key: str = ""
+    key_sha256: str = ""
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0
+    max_concurrent: int = 0
+    models: list[str] | None = None
+    priority: Literal["interactive", "batch"] = "interactive"
+    admin: bool = False
+
+
+class _File(msgspec.Struct, forbid_unknown_fields=True):
+    keys: list[_FileEntry]
+
+
+def sha256_hex(key: str) -> str:
+    return hashlib.sha256(key.encode("ascii")).hexdigest()
+
+
+def check_key(key: str) -> None:
+    if not key or not key.isascii() or not key.isprintable() or " " in key:
+        # Said without the key itself: this message may reach a log.
+        raise ValueError("an API key must be printable ASCII without spaces")
+
+
+def plain_entry(key: str) -> KeyEntry:
+    """A key given as is (``--api-keys``, a plain list): no limits."""
+    check_key(key)
+    digest = sha256_hex(key)
+    return KeyEntry(name=f"key-{digest[:8]}", key_sha256=digest)
+
+
+def parse(text: str, source: str) -> list[KeyEntry]:
+    """The keys of a keys file's ``text`` (YAML with ``keys:``, or a plain list).
+
+    ValueError naming ``source`` and the entry for anything wrong; a file
+    that holds no key is an error, not "no authentication": an empty secret
+    mount must not open the gateway.
+    """
+    loaded: Any = None
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError:
+        pass  # a plain list need not be YAML
+    if isinstance(loaded, dict) and "keys" in loaded:
+        entries = _parse_yaml(loaded, source)
+    else:
+        lines = [line.split("#", 1)[0].strip() for line in text.splitlines()]
+        entries = [plain_entry(line) for line in lines if line]
+    if not entries:
+        raise ValueError(f"{source} holds no key")
+    _check_unique(entries, source)
+    return entries
+
+
+def _parse_yaml(loaded: dict[str, Any], source: str) -> list[KeyEntry]:
+    try:
+        parsed = msgspec.convert(loaded, _File)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"{source}: {exc}") from None
+    entries = []
+    for i, item in enumerate(parsed.keys):
+        where = f"{source}: keys[{i}] ({item.name or 'no name'})"
+        if not item.name:
+            raise ValueError(f"{where}: `name` is required")
+        if bool(item.key) == bool(item.key_sha256):
+            raise ValueError(f"{where}: give exactly one of `key` and `key_sha256`")
+        digest = item.key_sha256.lower()
+        if item.key:
+            try:
+                check_key(item.key)
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from None
+            digest = sha256_hex(item.key)
+        elif len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise ValueError(f"{where}: `key_sha256` must be 64 hex digits")
+        for field in ("requests_per_minute", "tokens_per_minute", "max_concurrent"):
+            if getattr(item, field) < 0:
+                raise ValueError(f"{where}: `{field}` must be 0 (no limit) or more")
+        entries.append(
+            KeyEntry(
+                name=item.name,
+                key_sha256=digest,
+                requests_per_minute=item.requests_per_minute,
+                tokens_per_minute=item.tokens_per_minute,
+                max_concurrent=item.max_concurrent,
+                models=tuple(item.models) if item.models is not None else None,
+                priority=item.priority,
+                admin=item.admin,
+            )
+        )
+    return entries
+
+
+def _check_unique(entries: list[KeyEntry], source: str) -> None:
+    names: set[str] = set()
+    digests: set[str] = set()
+    for entry in entries:
+        if entry.name in names:
+            raise ValueError(f"{source}: the name {entry.name!r} is given twice")
+        if entry.key_sha256 in digests:
+            raise ValueError(f"{source}: the key of {entry.name!r} is given twice")
+        names.add(entry.name)
+        digests.add(entry.key_sha256)
+
+
+def load(path: str | Path) -> list[KeyEntry]:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read --api-keys-file {path}: {exc}") from exc
+    return parse(text, f"--api-keys-file {path}")
+
+
+# -- llmgate keys add / list / revoke ---------------------------------------------
+
+
+def _read_entries(path: Path) -> list[dict[str, Any]]:
+    """The file's YAML entries as written (a missing file: none)."""
+    if not path.exists():
+        return []
+    loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    if not isinstance(loaded, dict) or not isinstance(loaded.get("keys"), list):
+        raise ValueError(f"{path} is not a YAML keys file (a list under `keys:`)")
+    parse(path.read_text(encoding="utf-8"), str(path))  # refuse to edit a broken file
+    return list(loaded["keys"])
+
+
+def _write_entries(path: Path, entries: list[dict[str, Any]]) -> None:
+    """Replace the file at once (a gateway re-reading it never sees half a file)."""
+    text = yaml.safe_dump({"keys": entries}, sort_keys=False)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text, encoding="utf-8")
+    os.chmod(partial, 0o600)
+    os.replace(partial, path)
+
+
+def add(path: Path, name: str, **limits: Any) -> str:
+    """Add a key named ``name`` to the file; the new key (shown once, stored hashed)."""
+    entries = _read_entries(path)
+    if any(entry.get("name") == name for entry in entries):
+        raise ValueError(f"{path} already has a key named {name!r}")
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    entry: dict[str, Any] = {"name": name, "key_sha256": sha256_hex(key)}
+    entry.update({k: v for k, v in limits.items() if v not in (None, 0, False)})
+    entries.append(entry)
+    parse(yaml.safe_dump({"keys": entries}), str(path))  # what is written must load
+    _write_entries(path, entries)
+    return key
+
+
+def revoke(path: Path, name: str) -> None:
+    entries = _read_entries(path)
+    kept = [entry for entry in entries if entry.get("name") != name]
+    if len(kept) == len(entries):
+        raise ValueError(f"{path} has no key named {name!r}")
+    if not kept:
+        raise ValueError(f"{name!r} is the last key in {path}: a keys file must hold one")
+    _write_entries(path, kept)
+
+
+def describe(path: Path) -> list[str]:
+    """One line per key: its name and what it may do (never the key or its hash)."""
+    rows = []
+    for entry in load(path):
+        limits = [
+            f"{label} {value}"
+            for label, value in (
+                ("rpm", entry.requests_per_minute),
+                ("tpm", entry.tokens_per_minute),
+                ("concurrent", entry.max_concurrent),
+            )
+            if value
+        ]
+        models = ",".join(entry.models) if entry.models is not None else "all models"
+        extra = [entry.priority, *(["admin"] if entry.admin else [])]
+        rows.append(
+            f"{entry.name}\t{', '.join(limits) or 'no limits'}\t{models}\t{' '.join(extra)}"
+        )
+    return rows
+
+
+def add_commands(commands: Any) -> None:
+    """``add``, ``list`` and ``revoke`` under ``llmgate keys``."""
+    add_cmd = commands.add_parser("add", help="add an API key to a YAML keys file; prints it once")
+    add_cmd.add_argument("name", help="the key's name (usage, metrics, logs)")
+    add_cmd.add_argument("--file", required=True, type=Path, help="the --api-keys-file (YAML)")
+    add_cmd.add_argument("--requests-per-minute", type=int, default=0)
+    add_cmd.add_argument("--tokens-per-minute", type=int, default=0)
+    add_cmd.add_argument("--max-concurrent", type=int, default=0)
+    add_cmd.add_argument("--models", default="", help="comma-separated served names or aliases")
+    add_cmd.add_argument("--priority", choices=PRIORITIES, default="interactive")
+    add_cmd.add_argument("--admin", action="store_true", help="sees every key's usage and state")
+    list_cmd = commands.add_parser("list", help="the keys of a keys file, without secrets")
+    list_cmd.add_argument("--file", required=True, type=Path)
+    revoke_cmd = commands.add_parser("revoke", help="remove a key from a YAML keys file")
+    revoke_cmd.add_argument("name")
+    revoke_cmd.add_argument("--file", required=True, type=Path)
+
+
+def run(args: argparse.Namespace) -> bool:
+    """Run ``add``, ``list`` or ``revoke``; False if ``args`` is another command."""
+    try:
+        if args.command == "add":
+            models = [m.strip() for m in args.models.split(",") if m.strip()]
+            key = add(
+                args.file,
+                args.name,
+                requests_per_minute=args.requests_per_minute,
+                tokens_per_minute=args.tokens_per_minute,
+                max_concurrent=args.max_concurrent,
+                models=models or None,
+                priority=None if args.priority == "interactive" else args.priority,
+                admin=args.admin,
+            )
+            print(key)
+            print(f"added {args.name!r} to {args.file}; the key is shown only now", file=sys.stderr)
+        elif args.command == "list":
+            print("\n".join(describe(args.file)))
+        elif args.command == "revoke":
+            revoke(args.file, args.name)
+            print(f"revoked {args.name!r} in {args.file}", file=sys.stderr)
+        else:
+            return False
+    except ValueError as exc:
+        print(f"llmgate keys: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return True
