@@ -31,17 +31,25 @@ and a freed slot wakes it only when no interactive request is waiting. It
 waits for its home pool alone, until its deadline rather than
 ``--queue-timeout``, and does not count against ``--max-queue``: a batch
 never makes an interactive request a 429.
+
+Fair sharing (``gateway.fair_share``, ``--fair-share``): a request carries
+its API key's name (its tenant). Among the requests waiting for a pool
+(and, apart, among its low-priority ones), a freed slot goes to the one
+whose key has received the least service lately (a virtual token counter),
+not simply the first in line; first come first served among equals and
+within a key. Requests without a key are one such key: first come first
+served, as with ``--fair-share false``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 from collections.abc import Callable, Collection
 
 from gateway import errors, metrics
+from gateway.fair_share import FairQueue, FairShare, Tenant
 from gateway.models import Target, Tier
 from gateway.policies import Policy, RoutingContext
 from gateway.workers import Workers, WorkerState
@@ -66,14 +74,13 @@ class _PoolQueue:
         "waiters",
     )
 
-    def __init__(self, tier: Tier) -> None:
+    def __init__(self, tier: Tier, share: FairShare) -> None:
         label = tier.label
         self.tier = tier
-        # One future per waiting request; a done one is skipped (its request
-        # was woken by another pool, left, or was already woken).
-        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        # One future per waiting request, by key (gateway.fair_share).
+        self.waiters = FairQueue(share)
         # Low-priority requests waiting, woken only when no interactive one is.
-        self.low_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.low_waiters = FairQueue(share)
         # Requests whose home this pool is, waiting.
         self.queued = 0
         self.mean_seconds = 0.0
@@ -81,13 +88,7 @@ class _PoolQueue:
         self.in_flight_gauge = metrics.child(metrics.POOL_IN_FLIGHT, label)
 
     def wake_one(self) -> bool:
-        for waiters in (self.waiters, self.low_waiters):
-            while waiters:
-                waiter = waiters.popleft()
-                if not waiter.done():
-                    waiter.set_result(None)
-                    return True
-        return False
+        return self.waiters.wake_one() or self.low_waiters.wake_one()
 
 
 class Admission:
@@ -98,12 +99,18 @@ class Admission:
         # Requests waiting in this process's queues, all pools together.
         self.queued = 0
         self._pools: dict[str, _PoolQueue] = {}
+        # Every key's service received, in this process.
+        self.fair = FairShare()
 
     def pool(self, tier: Tier) -> _PoolQueue:
         queue = self._pools.get(tier.label)
         if queue is None:
-            queue = self._pools[tier.label] = _PoolQueue(tier)
+            queue = self._pools[tier.label] = _PoolQueue(tier, self.fair)
         return queue
+
+    def _tenant(self, tenant: Tenant) -> Tenant:
+        """The key a request is shared by: none (one line for all) without fair sharing."""
+        return tenant if self.settings.fair_share else None
 
     async def acquire(
         self,
@@ -113,10 +120,33 @@ class Admission:
         exclude: Collection[str],
         on_queued: Callable[[], object] | None = None,
         low_priority: bool = False,
+        tenant: Tenant = None,
     ) -> tuple[WorkerState, Tier]:
         """A worker with a free slot for ``target``, chosen by the policy, and its
         tier; queues if none may take it now (and calls ``on_queued`` then).
-        ``low_priority``: after every interactive request (a batch line)."""
+        ``low_priority``: after every interactive request (a batch line).
+        ``tenant``: the request's API key name, for fair sharing; the pool
+        tells :meth:`finished` the same when the request ends."""
+        tenant = self._tenant(tenant)
+        self.fair.arrive(tenant)
+        try:
+            return await self._acquire(
+                target, key, deadline, exclude, on_queued, low_priority, tenant
+            )
+        except BaseException:
+            self.fair.depart(tenant)
+            raise
+
+    async def _acquire(
+        self,
+        target: Target,
+        key: str | None,
+        deadline: float,
+        exclude: Collection[str],
+        on_queued: Callable[[], object] | None,
+        low_priority: bool,
+        tenant: Tenant,
+    ) -> tuple[WorkerState, Tier]:
         if not self.workers.any_healthy and not await self.workers.wait_for_any():
             metrics.REJECTED.labels("no_worker").inc()
             if target.declared:
@@ -128,25 +158,28 @@ class Admission:
         if low_priority:
             chosen = self._take_spare(home, key, exclude)
             if chosen is not None:
+                self.fair.charge(tenant)
                 return chosen
             if on_queued is not None:
                 on_queued()
-            return await self._wait_low(home, key, deadline, exclude)
+            return await self._wait_low(home, key, deadline, exclude, tenant)
         if not home_queue.queued:  # else those first
             chosen = self._take(home, key, exclude)
             if chosen is not None:
+                self.fair.charge(tenant)
                 return chosen
         spill_after = home.spill_after if len(tiers) > 1 else None
         if spill_after is not None and self.expected_wait(home) >= spill_after:
             chosen = self._spill(tiers, key, exclude)
             if chosen is not None:
+                self.fair.charge(tenant)
                 return chosen
         if self.queued >= self.settings.max_queue:
             metrics.REJECTED.labels("queue_full").inc()
             raise errors.Overloaded(
                 "Too many requests are waiting; try again shortly.", retry_after=1
             )
-        return await self._wait(tiers, key, deadline, exclude, on_queued)
+        return await self._wait(tiers, key, deadline, exclude, on_queued, tenant)
 
     async def _wait(
         self,
@@ -155,6 +188,7 @@ class Admission:
         deadline: float,
         exclude: Collection[str],
         on_queued: Callable[[], object] | None,
+        tenant: Tenant,
     ) -> tuple[WorkerState, Tier]:
         """Queue for the home pool (and, after ``spill_after``, the later tiers)."""
         wait = self.settings.queue_timeout
@@ -174,7 +208,8 @@ class Admission:
         home_queue.depth_gauge.inc()
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
-        home_queue.waiters.append(waiter)
+        ticket = self.fair.ticket()
+        home_queue.waiters.append(waiter, tenant, ticket)
         chosen = None
         spilling = False
         try:
@@ -187,7 +222,7 @@ class Admission:
                     if chosen is not None:
                         return chosen
                     for tier in tiers[1:]:
-                        self.pool(tier).waiters.append(waiter)
+                        self.pool(tier).waiters.append(waiter, tenant, ticket)
                 if waiter.done():
                     chosen = self._take(home, key, exclude)
                     if chosen is None and spilling:
@@ -195,12 +230,13 @@ class Admission:
                     if chosen is not None:
                         return chosen
                     # Woken, but the slot went elsewhere (or was a general
-                    # wake-up): wait again, at the front of the line.
+                    # wake-up): wait again, at the front of its key's line.
+                    self.fair.refund(tenant)
                     waiter = loop.create_future()
-                    home_queue.waiters.appendleft(waiter)
+                    home_queue.waiters.appendleft(waiter, tenant, ticket)
                     if spilling:
                         for tier in tiers[1:]:
-                            self.pool(tier).waiters.appendleft(waiter)
+                            self.pool(tier).waiters.appendleft(waiter, tenant, ticket)
                 remaining = give_up - now
                 if remaining <= 0:
                     metrics.REJECTED.labels("queue_timeout").inc()
@@ -219,16 +255,22 @@ class Admission:
             home_queue.queued -= 1
             metrics.QUEUE_DEPTH.dec()
             home_queue.depth_gauge.dec()
-            self._leave(waiter, chosen is not None, tiers)
+            self._leave(waiter, chosen is not None, tiers, tenant)
 
     async def _wait_low(
-        self, home: Tier, key: str | None, deadline: float, exclude: Collection[str]
+        self,
+        home: Tier,
+        key: str | None,
+        deadline: float,
+        exclude: Collection[str],
+        tenant: Tenant,
     ) -> tuple[WorkerState, Tier]:
         """Queue behind every interactive request for ``home`` (see the module docstring)."""
         queue = self.pool(home)
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
-        queue.low_waiters.append(waiter)
+        ticket = self.fair.ticket()
+        queue.low_waiters.append(waiter, tenant, ticket)
         chosen = None
         try:
             while True:
@@ -236,8 +278,9 @@ class Admission:
                     chosen = self._take_spare(home, key, exclude)
                     if chosen is not None:
                         return chosen
+                    self.fair.refund(tenant)
                     waiter = loop.create_future()
-                    queue.low_waiters.appendleft(waiter)
+                    queue.low_waiters.appendleft(waiter, tenant, ticket)
                 remaining = deadline - time.time() if deadline else None
                 if remaining is not None and remaining <= 0:
                     metrics.REJECTED.labels("queue_timeout").inc()
@@ -251,15 +294,21 @@ class Admission:
                 except TimeoutError:
                     continue
         finally:
-            self._leave(waiter, chosen is not None, [home])
+            self._leave(waiter, chosen is not None, [home], tenant)
 
-    def _leave(self, waiter: asyncio.Future[None], took_slot: bool, tiers: list[Tier]) -> None:
+    def _leave(
+        self, waiter: asyncio.Future[None], took_slot: bool, tiers: list[Tier], tenant: Tenant
+    ) -> None:
         """A queued request leaves its queue, with a slot or without."""
         if not waiter.done():
             waiter.cancel()  # skipped where it is still queued
+            if took_slot:
+                # A later tier's slot, taken without a wake-up (spill-over).
+                self.fair.charge(tenant)
         elif not took_slot:
             # Woken, but leaving without the slot (refused, cancelled, its
             # client gone): the wake-up goes to the next in line.
+            self.fair.refund(tenant)
             self.wake_pools(tiers)
 
     def _take_spare(
@@ -305,13 +354,30 @@ class Admission:
         slots = sum(self._capacity(w) for w in self._serving(tier, ()))
         return (queue.queued + 1) / max(slots, 1) * queue.mean_seconds
 
-    def finished(self, tier: Tier, seconds: float | None) -> None:
+    def finished(
+        self,
+        tier: Tier,
+        seconds: float | None,
+        tenant: Tenant = None,
+        tokens: int | None = None,
+    ) -> None:
         """A request on ``tier`` ended (after ``seconds``, if it ran to its end):
-        its pool's mean request time, and a free slot."""
+        its pool's mean request time, and a free slot. ``tenant``: the key it
+        was admitted for; ``tokens``: its usage (prompt + completion), when
+        the engine reported one, charged to that key."""
         queue = self.pool(tier)
         if seconds is not None:
             queue.mean_seconds += _EWMA_WEIGHT * (seconds - queue.mean_seconds)
+        self.fair.finished(self._tenant(tenant), tokens)
         queue.in_flight_gauge.dec()
+        self.wake_pools([tier])
+
+    def unused(self, tier: Tier, tenant: Tenant) -> None:
+        """A request given a slot did not go to the worker after all (it could
+        not be sent): not charged, and the slot is free for the next."""
+        tenant = self._tenant(tenant)
+        self.fair.refund(tenant)
+        self.fair.depart(tenant)
         self.wake_pools([tier])
 
     def started(self, tier: Tier) -> None:

@@ -14,11 +14,12 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp
 
-from gateway import batch, errors, metrics, openapi, routes, tracing
+from gateway import batch, errors, metrics, openapi, routes, tenants, tracing
 from gateway.api import auth, direct, request_ids
 from gateway.api import health as _health  # noqa: F401  (the endpoints attach themselves)
 from gateway.api import openai as _openai  # noqa: F401
 from gateway.api import tgi as _tgi  # noqa: F401
+from gateway.api import usage as _usage  # noqa: F401
 from gateway.api import vllm_routes as _vllm_routes  # noqa: F401
 from gateway.api.request_ids import request_id_of
 from gateway.batch import api as _batch_api  # noqa: F401
@@ -50,10 +51,14 @@ def create_app(settings: GatewaySettings) -> ASGIApp:
     (:mod:`gateway.api.direct`), then FastAPI."""
     tracing.setup(settings.otlp_endpoint)
     api = create_api(settings)
+    ring = auth.KeyRing(settings)
     app: ASGIApp = direct.DirectRoutes(api)
+    if len(ring):  # a key's rate-limit headers, and its grant's end (gateway.tenants)
+        app = tenants.LimitScope(app)
     # The batch runner's way in (gateway.batch.runner): below the API-key check.
     api.state.requests_app = app
-    ring = auth.KeyRing(settings)
+    # The batch runner runs a job's lines as its owner's key (gateway.batch.runner).
+    api.state.keyring = ring
     if len(ring):
         app = auth.ApiKeyMiddleware(app, keys=ring, protect_metrics=settings.protect_metrics)
     return request_ids.RequestIds(app)
@@ -70,6 +75,11 @@ def create_api(settings: GatewaySettings) -> FastAPI:
         pool = Pool(settings, models=models)
         await pool.start()
         app.state.pool = pool
+        # API keys' limits: per process, or shared in Redis (--limits).
+        app.state.limits = limits = tenants.Limiter(
+            settings.limits, timeout=settings.limits_timeout
+        )
+        await limits.start()
         # None when --cache is off; the pools file's `cache:` fills in the
         # settings that flags and environment left at their defaults.
         cached = merge_config(settings, models.config)
@@ -82,7 +92,12 @@ def create_api(settings: GatewaySettings) -> FastAPI:
         store.start()
         # The runner sends its lines through the app above.
         app.state.batches = batches = batch.start(
-            settings, store, app.state.requests_app, pool.capacity, pool.interactive_since
+            settings,
+            store,
+            app.state.requests_app,
+            pool.capacity,
+            pool.interactive_since,
+            app.state.keyring,
         )
         # What start-up built (FastAPI, pydantic, routes) lives as long as the
         # process: frozen, the cyclic collector stops walking it again every
@@ -95,6 +110,7 @@ def create_api(settings: GatewaySettings) -> FastAPI:
             await store.stop()
             if cache is not None:
                 await cache.close()
+            await limits.stop()
             await pool.stop()
             metrics.mark_process_dead(os.getpid())
 

@@ -10,6 +10,7 @@ Every error a client can see is a :class:`GatewayError`:
     ├── NotFound                     (404 invalid_request_error: no such route)
     │   └── ModelNotFound            (404 invalid_request_error, code model_not_found)
     ├── Overloaded                   (429 rate_limit_exceeded, Retry-After)
+    │   └── RateLimited              (429, code rate_limit_exceeded: a key's limit)
     ├── NoWorker                     (503 service_unavailable, Retry-After)
     │   ├── ModelNotReady            (503 service_unavailable, code model_not_ready)
     │   └── StateUnavailable         (503 service_unavailable, code state_store_unavailable)
@@ -107,6 +108,22 @@ class Overloaded(GatewayError):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after)}
+
+
+class RateLimited(Overloaded):
+    """The request's API key is over one of its limits (``gateway.tenants``).
+
+    ``retry_after`` None: the request alone is over the key's tokens a
+    minute, and waiting does not help (no ``Retry-After``)."""
+
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after: int | None) -> None:
+        super().__init__(message, retry_after or 1)
+        self.waiting_helps = retry_after is not None
+
+    def headers(self) -> dict[str, str]:
+        return super().headers() if self.waiting_helps else {}
 
 
 class NoWorker(GatewayError):

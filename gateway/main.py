@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> None:
         problem = check_url(gateway.state_db)
         if problem:
             settings.refuse(f"llmgate gateway: {problem}")
+    if gateway.limits and not gateway.limits.startswith(("redis://", "rediss://", "unix://")):
+        settings.refuse("llmgate gateway: --limits takes redis://HOST:PORT/DB (empty: per process)")
     # The app factory reads its settings from the environment, in this
     # process or in uvicorn's worker processes alike.
     os.environ.update(settings.to_environment(gateway))

@@ -82,6 +82,19 @@ PROMPT_TOKENS = Counter("llmgate_prompt_tokens", "Prompt tokens of finished requ
 GENERATION_TOKENS = Counter(
     "llmgate_generation_tokens", "Generated tokens of finished requests.", ["model"]
 )
+# Per API key (its name from the keys file, or "-" with no keys configured:
+# a bounded set, unlike anything a client sends).
+KEY_REQUESTS = Counter(
+    "llmgate_key_requests",
+    "Finished requests by API key and status.",
+    ["key", "status"],
+)
+KEY_TOKENS = Counter(
+    "llmgate_key_tokens",
+    "Tokens of finished requests by API key, as their usage said: prompt and completion "
+    "(response cache hits included), and cached (those of them answered from the cache).",
+    ["key", "type"],
+)
 IN_FLIGHT = Gauge(
     "llmgate_requests_in_flight",
     "Requests sent to a worker, not finished.",

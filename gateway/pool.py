@@ -55,6 +55,9 @@ class _Attempt:
     delivery: Delivery
     # A batch line's (admitted behind interactive requests).
     low_priority: bool
+    # Its API key's name (fair sharing), and its usage once the worker reports it.
+    tenant: str | None = None
+    tokens: int | None = None
     started: float = field(default_factory=time.monotonic)
 
 
@@ -169,6 +172,7 @@ class Pool:
         trace: dict[str, str] | None = None,
         on_queued: Callable[[], object] | None = None,
         low_priority: bool = False,
+        tenant: str | None = None,
     ) -> RequestHandle:
         """Admit the request, pick a worker, send it; raises a ``GatewayError`` if refused.
 
@@ -178,12 +182,13 @@ class Pool:
         addresses of workers not to use (those a retry already failed on).
         ``trace`` is the request's trace context, for the worker.
         ``low_priority`` (a batch line) waits behind interactive requests
-        here and in the engine.
+        here and in the engine. ``tenant``: the request's API key name, which
+        admission shares the slots between and charges its usage to.
         """
         if isinstance(target, str):
             target = Target(target, (Tier("", target),))
         worker, tier = await self.admission.acquire(
-            target, key, deadline, exclude, on_queued, low_priority
+            target, key, deadline, exclude, on_queued, low_priority, tenant
         )
         if request_id in self.pending or request_id in self._released:
             request_id = f"{request_id}~{next(self._suffixes)}"
@@ -201,6 +206,7 @@ class Pool:
             # to be gone, the worker is lost and the request retried elsewhere.
             worker.link.send(message)
         except OverflowError:
+            self.admission.unused(tier, tenant)
             # msgpack holds 64-bit integers; JSON does not stop at that.
             raise errors.BadRequest(
                 "The request holds an integer too large to handle (64 bits at most)."
@@ -216,7 +222,9 @@ class Pool:
         # A handle releases its request once, however often it is closed.
         release = functools.partial(self._release, request_id)
         handle, delivery = RequestHandle.open(request_id, answered_by, deadline, release)
-        self.pending[request_id] = _Attempt(request_id, worker, tier, delivery, low_priority)
+        self.pending[request_id] = _Attempt(
+            request_id, worker, tier, delivery, low_priority, tenant
+        )
         if not low_priority:
             self.interactive_in_flight += 1
             self.last_interactive = time.monotonic()
@@ -246,7 +254,7 @@ class Pool:
             worker.link.send(protocol.Abort(request_ids=[attempt.request_id]))
         # Only whole requests tell the pool how long one takes (not aborts).
         took = time.monotonic() - attempt.started if finished else None
-        self.admission.finished(attempt.tier, took)
+        self.admission.finished(attempt.tier, took, attempt.tenant, attempt.tokens)
 
     # -- what the workers tell the pool (gateway.workers.WorkerEvents) -------
 
@@ -259,6 +267,9 @@ class Pool:
             for delta in message.items:
                 attempt = pending.get(delta.request_id)
                 if attempt is not None and attempt.worker.link is link:
+                    usage = delta.usage
+                    if usage is not None:  # its last: what it cost (fair sharing)
+                        attempt.tokens = usage.prompt_tokens + usage.completion_tokens
                     attempt.delivery.deliver(delta)
         elif isinstance(message, protocol.Failed):
             attempt = self.pending.get(message.request_id)

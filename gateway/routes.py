@@ -57,7 +57,13 @@ DIRECT = tuple(route for route in routes.ROUTES if route.kind == "builder")
 DIRECT_PATHS = frozenset(route.path for route in DIRECT)
 
 # /openapi.json's sections: the builder routes by dialect, the others by kind.
-_TAGS: dict[str, str] = {"openai": "OpenAI", "tgi": "TGI", "vllm": "vLLM", "batch": "Batch"}
+_TAGS: dict[str, str] = {
+    "openai": "OpenAI",
+    "tgi": "TGI",
+    "vllm": "vLLM",
+    "batch": "Batch",
+    "usage": "Usage",
+}
 
 _endpoints: dict[tuple[Route, Method], Endpoint] = {}
 

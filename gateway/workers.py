@@ -61,6 +61,8 @@ class WorkerState:
     others: int = 0
     # Most requests it runs at once (vLLM's max_num_seqs).
     capacity: int = 0
+    # Its model's context in tokens (what a request without max_tokens may reach).
+    max_model_len: int = 0
     system_fingerprint: str | None = None
     # Its chats stream as under a vLLM tool or reasoning parser (protocol.Heartbeat).
     chat_parser: bool = False
@@ -234,6 +236,7 @@ class Workers:
         was_healthy, worker.healthy = worker.healthy, True
         worker.draining = beat.draining
         worker.system_fingerprint = beat.system_fingerprint or None
+        worker.max_model_len = beat.max_model_len
         worker.chat_parser = beat.chat_parser
         worker.reasoning_parser = beat.reasoning_parser
         # The worker's count includes this gateway's own requests, which

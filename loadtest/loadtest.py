@@ -20,6 +20,10 @@ Scenarios (``--scenario``, default ``all``, run one after the other):
 * ``batch`` (not part of ``all``; ``loadtest.batches``): interactive latency
   idle and while a batch job runs, the batch's throughput against the same
   requests sent interactively, cache hit against miss latency, precompute.
+* ``tenants`` (not part of ``all``; ``loadtest.tenants``): one API key
+  floods the gateway while another sends a trickle of short chats; the
+  trickle's TTFT and latency alone, beside the flood with fair sharing on,
+  and with it off.
 
 Each run (scenario or sweep step) is its own headless Locust process; the
 first ``--warmup`` seconds of each are not counted. Throughput is the number
@@ -74,6 +78,7 @@ from loadtest.report import ROOT, TextColumn, results_dir, text_table, write_csv
 CAPACITY_SCENARIOS = ("connections", "soak")
 SPILLOVER = "spillover"
 BATCH = "batch"
+TENANTS = "tenants"
 # Seconds past a run's planned end before its Locust process counts as hung.
 LOCUST_GRACE_S = 120.0
 
@@ -225,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add(
         "--scenario",
-        choices=[*SCENARIOS, "all", *CAPACITY_SCENARIOS, SPILLOVER, BATCH],
+        choices=[*SCENARIOS, "all", *CAPACITY_SCENARIOS, SPILLOVER, BATCH, TENANTS],
         default="all",
     )
     add("--url", default=None, help="load this running server instead of starting llmgate")
@@ -257,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--batch-tokens", type=int, default=16, help="max_tokens of each line (batch)")
     add("--direct-concurrency", type=int, default=32, help="clients sending the lines (batch)")
     add("--cache-requests", type=int, default=50, help="requests sent twice (batch)")
+    add("--flood-users", type=int, default=64, help="flooding key's closed-loop users (tenants)")
+    add("--flood-tokens", type=int, default=128, help="max_tokens of each flood request (tenants)")
+    add("--trickle-requests", type=int, default=20, help="the other key's chats (tenants)")
+    add("--trickle-interval", type=float, default=1.5, help="seconds between them (tenants)")
+    add("--trickle-tokens", type=int, default=16, help="max_tokens of each chat (tenants)")
+    add("--tenant-slots", type=int, default=8, help="--max-inflight-per-worker (tenants)")
     return parser
 
 
@@ -273,10 +284,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.scenario in CAPACITY_SCENARIOS:
         print(f"{args.scenario}; results: {run_dir}")
         return run_capacity(args, run_dir, started)
-    if args.scenario in (BATCH, SPILLOVER):
+    if args.scenario in (BATCH, SPILLOVER, TENANTS):
         print(f"{args.scenario}; results: {run_dir}")
         if args.scenario == BATCH:
             from loadtest import batches as scenario
+
+            report = scenario.run(run_dir, args)
+        elif args.scenario == TENANTS:
+            from loadtest import tenants as scenario
 
             report = scenario.run(run_dir, args)
         else:

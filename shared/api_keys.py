@@ -34,6 +34,9 @@ import yaml
 
 PRIORITIES = ("interactive", "batch")
 KEY_PREFIX = "sk-llmgate-"
+# The name usage and metrics give requests when no keys are configured
+# (reserved: no key may be named so).
+ANONYMOUS = "-"
 
 
 class KeyEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -119,6 +122,8 @@ def _parse_yaml(loaded: dict[str, Any], source: str) -> list[KeyEntry]:
         where = f"{source}: keys[{i}] ({item.name or 'no name'})"
         if not item.name:
             raise ValueError(f"{where}: `name` is required")
+        if item.name == ANONYMOUS:
+            raise ValueError(f"{where}: {ANONYMOUS!r} is reserved (requests with no key)")
         if bool(item.key) == bool(item.key_sha256):
             raise ValueError(f"{where}: give exactly one of `key` and `key_sha256`")
         digest = item.key_sha256.lower()

@@ -32,8 +32,9 @@ Dialect = Literal["openai", "tgi"]
 # * vllm: vLLM's own server code in a worker (worker.vllm_app), forwarded;
 # * models: the gateway, from the models its workers serve and the pools file;
 # * batch: the gateway's Files and Batches API (gateway.batch);
+# * usage: the gateway's usage per API key (gateway.api.usage);
 # * ops: the gateway's health, readiness and metrics, for probes and Prometheus.
-Kind = Literal["builder", "vllm", "models", "batch", "ops"]
+Kind = Literal["builder", "vllm", "models", "batch", "usage", "ops"]
 # Whether a request needs an API key (when keys are configured): always; never
 # (load balancers and probes carry none); or only with --protect-metrics.
 Key = Literal["always", "never", "if --protect-metrics"]
@@ -101,6 +102,9 @@ BATCHES = Route("/v1/batches", ("POST", "GET"), "batch")
 BATCH = Route("/v1/batches/{batch_id}", ("GET",), "batch")
 BATCH_CANCEL = Route("/v1/batches/{batch_id}/cancel", ("POST",), "batch")
 
+# -- usage per API key, model and day ------------------------------------------------
+USAGE = Route("/v1/usage", ("GET",), "usage")
+
 # -- vLLM's own routes, answered by vLLM's server in a worker ----------------------
 # What `vllm serve` answers for text models, less its operations routes
 # (metrics, health, load, scaling).
@@ -135,6 +139,7 @@ ROUTES: tuple[Route, ...] = (
     BATCHES,
     BATCH,
     BATCH_CANCEL,
+    USAGE,
     TOKENIZE,
     DETOKENIZE,
     INVOCATIONS,

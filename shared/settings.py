@@ -168,6 +168,14 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     queue_timeout: Annotated[
         float, _help("seconds a request may wait for a free worker slot before 429")
     ] = 30.0
+    fair_share: Annotated[
+        bool,
+        _help(
+            "with API keys, a freed worker slot goes to the waiting request whose key has "
+            "used the fewest tokens lately (per process), not to the first in line "
+            "(docs: tenants)"
+        ),
+    ] = True
     max_inflight_per_worker: Annotated[
         int,
         _help(
@@ -207,6 +215,21 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     protect_metrics: Annotated[
         bool, _help("with API keys, require one on /metrics too (/health and /ready stay open)")
     ] = False
+    limits: Annotated[
+        str,
+        _help(
+            "where API keys' limits are counted: empty = in each process, or "
+            "`redis://HOST:PORT/DB` (shared by every process and replica; while it does "
+            "not answer, each process counts on its own)"
+        ),
+    ] = ""
+    limits_timeout: Annotated[
+        float,
+        _help(
+            "seconds a request waits for the --limits Redis before its process counts "
+            "on its own (and tries Redis again 5 s later)"
+        ),
+    ] = 0.5
     curve_gateway_key_file: Annotated[
         str,
         _help(

@@ -93,8 +93,11 @@ class Attempts:
     span: RequestSpan
     max_retries: int
     recorded: list[protocol.Delta] | None = None
-    # A batch job's line (gateway.batch.runner): after interactive requests.
+    # A batch job's line (gateway.batch.runner) or a batch key's request:
+    # after interactive requests.
     low_priority: bool = False
+    # The API key's name: admission shares slots fairly between keys.
+    tenant: str | None = None
 
     @property
     def log_extra(self) -> dict[str, str]:
@@ -155,6 +158,7 @@ class Attempts:
                 trace=span.headers(),
                 on_queued=(lambda: span.event("queued")) if span.on else None,
                 low_priority=self.low_priority,
+                tenant=self.tenant,
             )
         except errors.NoWorker as exc:
             refused = retries.no_worker(exc)

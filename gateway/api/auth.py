@@ -71,6 +71,26 @@ def api_key_of(scope: Any) -> KeyEntry | None:
     return entry
 
 
+def key_name(scope: Any) -> str:
+    """The request's key's name for usage and metrics (``ANONYMOUS`` without keys)."""
+    entry = api_key_of(scope)
+    return entry.name if entry is not None else api_keys.ANONYMOUS
+
+
+def owner_of(scope: Any) -> str | None:
+    """Who owns what the request makes (files, batches, responses): its key's
+    name, or None without keys (then every caller sees it)."""
+    entry = api_key_of(scope)
+    return entry.name if entry is not None else None
+
+
+def viewer_of(scope: Any) -> str | None:
+    """Whose files, batches, responses and usage the request sees: its key's
+    name; None (everyone's) for an admin key, or without keys."""
+    entry = api_key_of(scope)
+    return entry.name if entry is not None and not entry.admin else None
+
+
 class KeyRing:
     """The configured keys by digest, re-read from ``--api-keys-file`` when it changes."""
 
@@ -117,6 +137,11 @@ class KeyRing:
             return
         self._set(entries)
         log.info("API keys: re-read %s: %d keys", self.path, len(entries))
+
+    def named(self, name: str) -> KeyEntry | None:
+        """The key called ``name``, as the file says now (None if it is gone)."""
+        self.refresh()
+        return next((entry for _, entry in self._entries if entry.name == name), None)
 
     def match(self, token: bytes) -> KeyEntry | None:
         presented = _digest(token)

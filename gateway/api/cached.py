@@ -42,6 +42,8 @@ class CacheStep:
         self.cache = cache
         self.result = ""  # hit, miss or bypass: the response header
         self.key = ""
+        # A hit's usage, as its client is given it.
+        self.usage: protocol.Usage | None = None
         # The worker's output as it came, while the answer may be stored.
         self.recorded: list[protocol.Delta] | None = None
 
@@ -61,6 +63,7 @@ class CacheStep:
         entry = await self._find(kind, served_model, body, cache_control, workers)
         if entry is None:
             return None
+        self.usage = entry.usage
         # Streamed in the shape its model's workers stream it (sse.Chat.chunk).
         builder.chat_parser = any(w.chat_parser for w in workers if entry.served_model in w.models)
         return replay(builder, entry, stream, builder.include_usage)

@@ -39,16 +39,17 @@ from fastapi.responses import Response
 from gateway import cascade, errors, schemas, sse, tracing
 from gateway.api.accounting import Accounting
 from gateway.api.attempts import Attempts
-from gateway.api.auth import api_key_of
+from gateway.api.auth import api_key_of, key_name
 from gateway.api.cached import cache_step
 from gateway.api.headers import STREAM_HEADERS, answer_headers
 from gateway.api.http import DisconnectWatch, EventStream, deadline, header
 from gateway.api.request_ids import request_id_of
-from gateway.api.state import cache_of, pool_of, settings_of
+from gateway.api.state import cache_of, ledger_of, pool_of, settings_of
 from gateway.api.streaming import relay
 from gateway.handle import Answerer, RequestHandle
 from gateway.jsonresp import JSON
 from gateway.models import Target
+from gateway.tenants import limits
 from shared import protocol
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,13 @@ class Call:
             self.body.stream,
         )
         self.account = Accounting(
-            span, self.body.model, self.route, self.pool.known_models, started
+            span,
+            self.body.model,
+            self.route,
+            self.pool.known_models,
+            started,
+            key_name(self.request.scope),
+            ledger_of(self.request),
         )
 
     async def serve(self, key_of: Callable[[int], str]) -> Response:
@@ -117,6 +124,9 @@ class Call:
             self.target = self.pool.resolve(
                 self.body.model, self.raw, self.request.scope["headers"]
             )
+            scope = self.request.scope  # the key's limits: 429 over them (gateway.tenants)
+            choices = len(self.builder.choices)
+            await limits.admit(scope, entry, self.pool, self.target, self.raw, choices)
             if self.cached is not None:
                 hit = await self.cached.look_up(
                     self.pool,
@@ -128,7 +138,8 @@ class Call:
                     self.body.stream,
                 )
                 if hit is not None:
-                    self.account.finish(200)
+                    limits.settle(scope, None)
+                    self.account.finish(200, self.cached.usage, cached=True)
                     return hit
             attempts = self._attempts(key)
             if self.body.stream:
@@ -152,6 +163,12 @@ class Call:
             watch.stop()
 
     def _attempts(self, key: str | None) -> Attempts:
+        # A batch job's line, or a request with a `priority: batch` key: only
+        # slots no interactive request waits for, and the engine's batch priority.
+        entry = api_key_of(self.request.scope)
+        batch = self.request.scope.get("llmgate.priority") == "batch" or (
+            entry is not None and entry.priority == "batch"
+        )
         return Attempts(
             pool=self.pool,
             request_id=self.request_id,
@@ -163,7 +180,8 @@ class Call:
             max_retries=self.settings.max_retries,
             # The worker's output as it comes, while the answer may be cached.
             recorded=self.cached.recorded if self.cached is not None else None,
-            low_priority=self.request.scope.get("llmgate.priority") == "batch",
+            low_priority=batch,
+            tenant=entry.name if entry is not None else None,
         )
 
     async def _complete(self, attempts: Attempts, target: Target) -> Response:
@@ -180,6 +198,7 @@ class Call:
         else:
             assert self.wire is not None
             answered_by, usage = await attempts.run(target, self.wire)
+        limits.settle(self.request.scope, usage)
         headers = self._headers(answered_by)
         await self._store(answered_by, usage, headers)
         self.account.finish(200, usage)
@@ -191,6 +210,7 @@ class Call:
         headers = self._headers(handle.answered_by)
 
         async def store(usage: protocol.Usage) -> None:
+            limits.settle(self.request.scope, usage)
             await self._store(handle.answered_by, usage, headers)
 
         body = relay(

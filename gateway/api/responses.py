@@ -11,7 +11,9 @@ processes, or the ``--state-db`` every replica shares) for
 becomes that conversation prepended to the new input, which any worker can
 run. Requests for responses the gateway never saw go on to vLLM unchanged.
 A store that does not answer: ``previous_response_id`` is a 503; an answer
-that cannot be stored still goes out (the failure is logged).
+that cannot be stored still goes out (the failure is logged). With API keys
+a stored response is its key's: to another key (but an ``admin`` one) its
+id is unknown, for ``GET`` and ``previous_response_id`` alike.
 """
 
 from __future__ import annotations
@@ -43,9 +45,10 @@ class Record(msgspec.Struct):
 __all__ = ["Record", "Recorder", "continued", "load", "store_of"]
 
 
-async def load(store: State, response_id: str) -> Record | None:
-    """The stored response, or None if this gateway never kept it (or it expired)."""
-    value = await store.call(store.responses.get, response_id)
+async def load(store: State, response_id: str, viewer: str | None) -> Record | None:
+    """The stored response, or None if this gateway never kept it (or it
+    expired, or ``viewer`` may not see it: ``gateway.state``)."""
+    value = await store.call(store.responses.get, response_id, viewer)
     if value is None:
         return None
     try:
@@ -74,9 +77,15 @@ class Recorder:
     """Reads a Responses answer as it goes out and stores it once it is complete."""
 
     def __init__(
-        self, store: State, body: dict[str, Any], previous: Record | None, previous_id: str
+        self,
+        store: State,
+        body: dict[str, Any],
+        previous: Record | None,
+        previous_id: str,
+        owner: str | None,
     ) -> None:
         self.store = store
+        self.owner = owner
         self.items = [*(previous.items if previous else []), *input_items(body)]
         self.previous_id = previous_id
         self.buffer = b""
@@ -94,7 +103,9 @@ class Recorder:
         record = Record(response, [*self.items, *response.get("output", [])])
         store = self.store
         try:
-            await store.call(store.responses.put, str(response["id"]), msgspec.json.encode(record))
+            await store.call(
+                store.responses.put, str(response["id"]), msgspec.json.encode(record), self.owner
+            )
         except errors.StateUnavailable as exc:
             log.warning("response %s not stored: %s", response["id"], exc.message)
 

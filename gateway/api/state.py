@@ -10,7 +10,7 @@ from starlette.requests import Request
 
 from gateway.cache import ResponseCache
 from gateway.pool import Pool
-from gateway.state import State
+from gateway.state import Ledger, State
 from shared.settings import GatewaySettings
 
 
@@ -34,3 +34,10 @@ def store_of(request: Request) -> State:
     """The state store: files, batches, stored responses (``gateway.state``)."""
     store: State = request.app.state.store
     return store
+
+
+def ledger_of(request: Request) -> Ledger | None:
+    """Where the request's usage is counted (``gateway.state.ledger``); None in
+    an app without a state store (a unit test's)."""
+    store: State | None = getattr(request.app.state, "store", None)
+    return store.ledger if store is not None else None

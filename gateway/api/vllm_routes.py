@@ -23,6 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from gateway import errors, schemas, sse
 from gateway.api import responses
+from gateway.api.auth import owner_of, viewer_of
 from gateway.api.call import Call
 from gateway.api.http import read_body
 from gateway.api.state import pool_of, settings_of
@@ -87,10 +88,12 @@ async def create_response(request: Request) -> Response:
     previous_id = raw.get("previous_response_id")
     previous = None
     if isinstance(previous_id, str) and previous_id:
-        previous = await responses.load(store, previous_id)
+        previous = await responses.load(store, previous_id, viewer_of(request.scope))
     if previous is None and not raw.get("store", True):
         return await forward(request, routes.RESPONSES.path, raw)  # nothing to keep or expand
-    recorder = responses.Recorder(store, raw, previous, str(previous_id) if previous else "")
+    recorder = responses.Recorder(
+        store, raw, previous, str(previous_id) if previous else "", owner_of(request.scope)
+    )
     wire = responses.continued(raw, previous) if previous is not None else raw
     keep = raw.get("store", True)
     response = await forward(request, routes.RESPONSES.path, wire)
@@ -107,7 +110,8 @@ async def create_response(request: Request) -> Response:
 
 @serves(routes.RESPONSE)
 async def retrieve_response(request: Request, response_id: str) -> Response:
-    stored = await responses.load(responses.store_of(request), response_id)
+    store = responses.store_of(request)
+    stored = await responses.load(store, response_id, viewer_of(request.scope))
     if stored is not None:
         return json_response(stored.response)
     return await forward(request, routes.RESPONSE.url(response_id=response_id), None, "GET")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp
 
+from gateway.api.auth import KeyRing
 from gateway.batch.runner import Runner
 from gateway.state import State
 from shared.settings import GatewaySettings
@@ -37,13 +38,15 @@ def start(
     app: ASGIApp,
     capacity: Callable[[], int],
     interactive_since: Callable[[], float],
+    keys: KeyRing | None = None,
 ) -> Batches:
     """Start the runner (call inside the running loop); it waits for the store.
 
     ``app`` is the gateway's app below the API-key check, the runner's way in;
     ``capacity`` the healthy workers' slots, ``interactive_since`` the seconds
-    since the last interactive request (the runner's cap).
+    since the last interactive request (the runner's cap); ``keys`` the
+    configured API keys, to run each job's lines as its owner's key.
     """
-    runner = Runner(store, app, capacity, interactive_since, settings.batch_max_inflight)
+    runner = Runner(store, app, capacity, interactive_since, settings.batch_max_inflight, keys)
     runner.start()
     return Batches(store, runner, settings.max_file_bytes)

@@ -7,6 +7,10 @@ are checked when uploaded and again when a batch is created from them
 (``gateway.batch.jsonl``): bad input is a 400 naming the line, an unknown id
 a 404. The state store is touched from a thread, never on the event loop,
 and answers 503 while it cannot be reached.
+
+With API keys, files and jobs belong to the key that made them (a job's
+output and error files to the job's key): another key gets 404 for them and
+never sees them listed; an ``admin`` key sees all (``gateway.api.auth``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from starlette.datastructures import UploadFile
 from starlette.types import Message, Receive
 
 from gateway import errors, schemas
+from gateway.api.auth import owner_of, viewer_of
 from gateway.api.http import header, read_body
 from gateway.api.state import store_of
 from gateway.batch import Batches, jsonl
@@ -85,8 +90,9 @@ async def create_file(request: Request) -> Response:
         filename = upload.filename or "input.jsonl"
     await asyncio.to_thread(jsonl.parse, data)  # refused now, not when a batch is created
     expires_at = _expires_at(form.get("expires_after[anchor]"), form.get("expires_after[seconds]"))
+    owner = owner_of(request.scope)
     return json_response(
-        await store.call(store.files.add, data, filename, str(purpose), "", expires_at)
+        await store.call(store.files.add, data, filename, str(purpose), "", expires_at, owner)
     )
 
 
@@ -142,7 +148,12 @@ async def list_files(request: Request) -> Response:
         raise errors.BadRequest("`order` must be asc or desc.", "order")
     limit = _limit(request, FILES_LIMIT)
     data, more = await store.call(
-        store.files.page, params.get("purpose"), params.get("after"), limit, order == "asc"
+        store.files.page,
+        params.get("purpose"),
+        params.get("after"),
+        limit,
+        order == "asc",
+        viewer_of(request.scope),
     )
     return _page(data, more)
 
@@ -150,7 +161,7 @@ async def list_files(request: Request) -> Response:
 @serves(routes.FILE, "GET")
 async def retrieve_file(request: Request, file_id: str) -> Response:
     store = store_of(request)
-    file = await store.call(store.files.get, file_id)
+    file = await store.call(store.files.get, file_id, viewer_of(request.scope))
     if file is None:
         raise _no_file(file_id)
     return json_response(file)
@@ -159,7 +170,7 @@ async def retrieve_file(request: Request, file_id: str) -> Response:
 @serves(routes.FILE_CONTENT)
 async def file_content(request: Request, file_id: str) -> Response:
     store = store_of(request)
-    content = await store.call(store.files.content, file_id)
+    content = await store.call(store.files.content, file_id, viewer_of(request.scope))
     if content is None:
         raise _no_file(file_id)
     return Response(content, media_type="application/octet-stream")
@@ -168,7 +179,7 @@ async def file_content(request: Request, file_id: str) -> Response:
 @serves(routes.FILE, "DELETE")
 async def delete_file(request: Request, file_id: str) -> Response:
     store = store_of(request)
-    if not await store.call(store.files.delete, file_id):
+    if not await store.call(store.files.delete, file_id, viewer_of(request.scope)):
         raise _no_file(file_id)
     return json_response({"id": file_id, "object": "file", "deleted": True})
 
@@ -190,10 +201,11 @@ async def create_batch(request: Request) -> Response:
         raise errors.BadRequest("`input_file_id` must be a file id.", "input_file_id")
     jsonl.check_batch([], raw.get("endpoint"), raw.get("completion_window"))
     metadata = jsonl.check_metadata(raw.get("metadata"))
+    viewer = viewer_of(request.scope)
 
     def create() -> dict[str, Any]:
-        file = store.files.get(file_id)
-        content = store.files.content(file_id)
+        file = store.files.get(file_id, viewer)
+        content = store.files.content(file_id, viewer)
         if file is None or content is None:
             raise _no_file(file_id, "input_file_id")
         if file["purpose"] != "batch":
@@ -202,7 +214,9 @@ async def create_batch(request: Request) -> Response:
             )
         lines = jsonl.parse(content)
         endpoint = jsonl.check_batch(lines, raw["endpoint"], raw["completion_window"])
-        return store.batches.create(file_id, endpoint, raw["completion_window"], metadata, lines)
+        return store.batches.create(
+            file_id, endpoint, raw["completion_window"], metadata, lines, owner_of(request.scope)
+        )
 
     batch = await store.call(create)
     batches.runner.wake()
@@ -214,14 +228,14 @@ async def list_batches(request: Request) -> Response:
     store = store_of(request)
     limit = _limit(request, BATCHES_LIMIT)
     after = request.query_params.get("after")
-    data, more = await store.call(store.batches.page, after, limit)
+    data, more = await store.call(store.batches.page, after, limit, viewer_of(request.scope))
     return _page(data, more)
 
 
 @serves(routes.BATCH)
 async def retrieve_batch(request: Request, batch_id: str) -> Response:
     store = store_of(request)
-    batch = await store.call(store.batches.get, batch_id)
+    batch = await store.call(store.batches.get, batch_id, viewer_of(request.scope))
     if batch is None:
         raise _no_batch(batch_id)
     return json_response(batch)
@@ -233,7 +247,11 @@ async def cancel_batch(request: Request, batch_id: str) -> Response:
     batches = _batches(request)
     store = store_of(request)
     batch = await store.call(
-        store.batches.set_status, batch_id, "cancelling", ("validating", "in_progress")
+        store.batches.set_status,
+        batch_id,
+        "cancelling",
+        ("validating", "in_progress"),
+        viewer_of(request.scope),
     )
     if batch is None:
         raise _no_batch(batch_id)

@@ -10,7 +10,10 @@ its window) is ended by whichever replica takes the lease on ending it.
 A line is not sent to a worker by a second path: it is a request to the
 gateway's own ASGI app (below the API-key check), with a synthetic HTTP
 scope, its body, a request id of its own and ``scope["llmgate.priority"] =
-"batch"``. So it gets everything an interactive request gets (validation,
+"batch"``, and the API key entry of the job's owner, looked up by name
+in the keys as they are now, so a line counts against its key's usage,
+limits and models (a key revoked since gets the line an error answer). So
+it gets everything an interactive request gets (validation,
 model resolution, admission, the response cache, metrics, logs) and the
 answer a client would get. Admission puts it behind every interactive
 request (``gateway.admission``), the worker's engine runs it at a lower
@@ -39,6 +42,7 @@ import msgspec
 from starlette.types import ASGIApp, Message
 
 from gateway import errors, metrics
+from gateway.api.auth import SCOPE_KEY, KeyRing
 from gateway.api.request_ids import HEADER as REQUEST_ID_HEADER
 from gateway.batch.jsonl import ENDPOINTS
 from gateway.state import State, Unavailable
@@ -76,6 +80,8 @@ class Job:
 
     batch_id: str
     expires_at: int
+    # The name of the API key that created it (None: no keys then).
+    owner: str | None = None
     running: int = 0
     # Set when the job is cancelled or past its window: its lines stop.
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
@@ -89,9 +95,12 @@ class Runner:
         capacity: Callable[[], int],
         interactive_since: Callable[[], float],
         max_inflight: int,
+        keys: KeyRing | None = None,
     ) -> None:
         self.state = state
         self.app = app
+        # The configured API keys (None or empty: none), to find a job's owner's.
+        self.keys = keys
         # Slots of the healthy workers (Admission.capacity) and seconds since
         # the last interactive request (Pool.interactive_since): the default cap.
         self.capacity = capacity
@@ -213,7 +222,9 @@ class Runner:
     def _start(self, claimed: Claimed) -> None:
         job = self.jobs.get(claimed.batch_id)
         if job is None:
-            job = self.jobs[claimed.batch_id] = Job(claimed.batch_id, claimed.expires_at)
+            job = self.jobs[claimed.batch_id] = Job(
+                claimed.batch_id, claimed.expires_at, claimed.owner
+            )
         job.running += 1
         self.in_flight += 1
         task = asyncio.create_task(self._line(job, claimed))
@@ -291,6 +302,14 @@ class Runner:
         if line.url not in ENDPOINTS:
             return 400, "", errors.BadRequest(f"No batch endpoint {line.url}.", "url").body()
         request_id = f"{job.batch_id}-{line.index}"
+        key = None
+        if job.owner is not None and self.keys is not None and len(self.keys):
+            key = self.keys.named(job.owner)
+            if key is None:
+                revoked = errors.Unauthorized(
+                    f"The API key {job.owner!r} that created this batch was revoked."
+                )
+                return revoked.status, request_id, revoked.body()
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(line.body)).encode()),
@@ -315,6 +334,8 @@ class Runner:
             "state": {},
             "llmgate.priority": "batch",
         }
+        if key is not None:
+            scope[SCOPE_KEY] = key
         sent_body = False
         status = 0
         chunks: list[bytes] = []

@@ -1,4 +1,5 @@
-"""The gateway's shared state: uploaded files, batch jobs and their lines, stored responses.
+"""The gateway's shared state: uploaded files, batch jobs and their lines, stored responses,
+usage per key.
 
 One database for all of it (``gateway.state.db``): SQLite in ``--state-dir``
 by default, shared by the gateway processes of one host, or PostgreSQL
@@ -8,6 +9,12 @@ a ``--state-db`` has never answered the gateway is not ready (``/ready``).
 An outage later answers 503 on the routes that need state only
 (``errors.StateUnavailable``); a batch line's result is committed or the line
 runs again, never lost. ``State.reap()`` deletes expired files and responses.
+Usage is added up in memory and flushed every few seconds (``ledger``).
+
+Files, batches and stored responses have an ``owner``: the name of the API
+key that made them (NULL with no keys configured). Their methods that read
+take ``viewer``: a key name sees only its own rows; None sees every row (an
+admin key, or no keys configured).
 """
 
 from __future__ import annotations
@@ -21,10 +28,12 @@ from gateway import errors
 from gateway.state.batches import Batches
 from gateway.state.db import Database, Unavailable
 from gateway.state.files import Files
+from gateway.state.ledger import Ledger
 from gateway.state.responses import Responses
+from gateway.state.usage import Usage
 from shared.settings import GatewaySettings, resolve_state_dir
 
-__all__ = ["Batches", "Database", "Files", "Responses", "State", "Unavailable"]
+__all__ = ["Batches", "Database", "Files", "Ledger", "Responses", "State", "Unavailable", "Usage"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +54,8 @@ class State:
         self.batches = Batches(self.db, self.files, settings.batch_output_days * DAY)
         self.responses = Responses(self.db, settings.responses_days * DAY)
         self.ready = asyncio.Event()
+        self.usage = Usage(self.db)
+        self.ledger = Ledger(self.usage, self.ready)
         self._tasks: list[asyncio.Task[None]] = []
         self.problem = "the state store has not answered yet"
 
@@ -84,6 +95,7 @@ class State:
             try:
                 files = await asyncio.to_thread(self.files.expire)
                 responses = await asyncio.to_thread(self.responses.expire)
+                await asyncio.to_thread(self.usage.expire)
                 if files or responses:
                     log.info(
                         "state store: deleted %d expired files, %d responses", files, responses
@@ -93,16 +105,19 @@ class State:
             await asyncio.sleep(REAP_SECONDS)
 
     def start(self) -> None:
-        """Connect (and migrate), then reap, in the background (call inside the running loop)."""
+        """Connect (and migrate), then reap and flush usage, in the background
+        (call inside the running loop)."""
         self._tasks = [
             asyncio.create_task(self.connect(), name="state store connect"),
             asyncio.create_task(self.reap(), name="state store reaper"),
         ]
+        self.ledger.start()
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.ledger.stop()
         self.db.close()
 
 

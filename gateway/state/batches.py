@@ -5,7 +5,10 @@ lines are all done (or that was cancelled, or ran past its window) is ended
 by one replica at a time too, under a lease on the job's row: its output and
 error files are assembled from the committed rows, and their ids follow from
 the job's, so ending a job again after a crash writes the same files. The
-OpenAI Batch object is shaped here and nowhere else.
+OpenAI Batch object is shaped here and nowhere else; its ``usage`` is the
+sum of its answers' usage, filled in when it ends. A job and its output and
+error files belong to the key that created it (``viewer`` as in
+``gateway.state``).
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from sqlalchemy import Connection, func, insert, or_, select, update
+from sqlalchemy import Connection, Select, func, insert, or_, select, update
 
 from gateway.state.db import Database
 from gateway.state.files import Files, new_id
 from gateway.state.lines import Line, Lines
 from gateway.state.schema import batches, lines
+from gateway.state.usage import batch_usage
 
 # A job the runners still have to take further.
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
@@ -63,6 +67,7 @@ class Batches:
         completion_window: str,
         metadata: dict[str, str] | None,
         rows: list[Line],
+        owner: str | None = None,
     ) -> dict[str, Any]:
         """A new job in ``validating`` with its lines, all pending, in one transaction."""
         batch_id = new_id("batch_")
@@ -89,7 +94,7 @@ class Batches:
             "cancelling_at": None,
             "cancelled_at": None,
             "metadata": metadata,
-            # Filled in by gateway.batch.runner once usage is accounted per key.
+            # The sum of the answers' usage, once the job ends (finalize).
             "usage": None,
         }
         with self.db.write() as db:
@@ -100,6 +105,7 @@ class Batches:
                     created_at=now,
                     expires_at=expires,
                     object=msgspec.json.encode(batch),
+                    owner=owner,
                 )
             )
             if rows:
@@ -118,14 +124,16 @@ class Batches:
                 )
             return _with_counts(db, batch)
 
-    def get(self, batch_id: str) -> dict[str, Any] | None:
+    def get(self, batch_id: str, viewer: str | None = None) -> dict[str, Any] | None:
         with self.db.read() as db:
-            batch = _load(db, batch_id)
+            batch = _load(db, batch_id, viewer)
             return _with_counts(db, batch) if batch else None
 
-    def page(self, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
+    def page(
+        self, after: str | None, limit: int, viewer: str | None = None
+    ) -> tuple[list[dict[str, Any]], bool]:
         """A page of jobs, newest first, and whether more follow."""
-        query = select(batches.c.object)
+        query = _seen_by(select(batches.c.object), viewer)
         if after:
             mark = select(batches.c.seq).where(batches.c.id == after).scalar_subquery()
             query = query.where(batches.c.seq < mark)
@@ -135,12 +143,16 @@ class Batches:
         return page, len(rows) > limit
 
     def set_status(
-        self, batch_id: str, status: str, only_from: tuple[str, ...] = ()
+        self,
+        batch_id: str,
+        status: str,
+        only_from: tuple[str, ...] = (),
+        viewer: str | None = None,
     ) -> dict[str, Any] | None:
         """Move the job to ``status`` (stamping ``STATUS_at``) if it is in one of
         ``only_from`` (any, if empty); the job as it is after, or None if unknown."""
         with self.db.write() as db:
-            query = select(batches.c.object).where(batches.c.id == batch_id)
+            query = _seen_by(select(batches.c.object).where(batches.c.id == batch_id), viewer)
             if self.db.postgres:
                 query = query.with_for_update()
             raw = db.scalar(query)
@@ -243,6 +255,7 @@ class Batches:
                 .where(lines.c.batch_id == batch_id)
                 .order_by(lines.c.line)
             ).all()
+            owner = db.scalar(select(batches.c.owner).where(batches.c.id == batch_id))
         output, failed = [], []
         unrun = 0
         for custom_id, state, result in rows:
@@ -256,19 +269,20 @@ class Batches:
         expires = int(time.time() + self.output_seconds) if self.output_seconds else None
         output_id = derived_id(batch_id, "output")
         self.files.add(
-            _jsonl(output), f"{batch_id}_output.jsonl", "batch_output", output_id, expires
+            _jsonl(output), f"{batch_id}_output.jsonl", "batch_output", output_id, expires, owner
         )
         error_id = None
         if failed:
             error_id = derived_id(batch_id, "error")
             self.files.add(
-                _jsonl(failed), f"{batch_id}_error.jsonl", "batch_output", error_id, expires
+                _jsonl(failed), f"{batch_id}_error.jsonl", "batch_output", error_id, expires, owner
             )
         with self.db.write() as db:
             stored = _load(db, batch_id)
             assert stored is not None
             stored["output_file_id"] = output_id
             stored["error_file_id"] = error_id
+            stored["usage"] = batch_usage(output)
             _save(db, stored, status)
             db.execute(
                 update(batches)
@@ -303,8 +317,13 @@ def derived_id(batch_id: str, kind: str) -> str:
     return "file-" + hashlib.sha256(f"{batch_id}:{kind}".encode()).hexdigest()[:24]
 
 
-def _load(db: Connection, batch_id: str) -> dict[str, Any] | None:
-    raw = db.scalar(select(batches.c.object).where(batches.c.id == batch_id))
+def _seen_by(query: Select[Any], viewer: str | None) -> Select[Any]:
+    """``query`` limited to the jobs ``viewer`` may see (None: every job)."""
+    return query if viewer is None else query.where(batches.c.owner == viewer)
+
+
+def _load(db: Connection, batch_id: str, viewer: str | None = None) -> dict[str, Any] | None:
+    raw = db.scalar(_seen_by(select(batches.c.object).where(batches.c.id == batch_id), viewer))
     if raw is None:
         return None
     batch: dict[str, Any] = msgspec.json.decode(raw)

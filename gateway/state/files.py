@@ -4,7 +4,8 @@ The OpenAI File object is shaped here and nowhere else. A file may carry an
 expiry (``expires_after`` at upload, a batch's outputs after
 ``--batch-output-days``); ``expire()`` deletes what is past it, rows and
 bytes, so the space is reclaimed (any replica may run it: deleting twice is
-deleting once).
+deleting once). A file belongs to the key that uploaded it (a batch's
+output and error files to the batch's): ``viewer`` as in ``gateway.state``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import secrets
 import time
 from typing import Any
 
-from sqlalchemy import Connection, delete, func, insert, select
+from sqlalchemy import Connection, Select, delete, func, insert, select
 
 from gateway.state.db import Database
 from gateway.state.schema import CHUNK_BYTES, file_chunks, files
@@ -34,6 +35,7 @@ class Files:
         purpose: str,
         file_id: str = "",
         expires_at: int | None = None,
+        owner: str | None = None,
     ) -> dict[str, Any]:
         """Store a file (replacing one of the same id: writing a batch's output again)."""
         file_id = file_id or new_id("file-")
@@ -48,7 +50,7 @@ class Files:
         }
         with self.db.write() as db:
             _delete(db, [file_id])
-            db.execute(insert(files).values(row))
+            db.execute(insert(files).values({**row, "owner": owner}))
             chunks = [
                 {"file_id": file_id, "n": n, "data": data[at : at + CHUNK_BYTES]}
                 for n, at in enumerate(range(0, len(data), CHUNK_BYTES))
@@ -57,14 +59,16 @@ class Files:
                 db.execute(insert(file_chunks), chunks)
         return file_object(row)
 
-    def get(self, file_id: str) -> dict[str, Any] | None:
+    def get(self, file_id: str, viewer: str | None = None) -> dict[str, Any] | None:
+        query = _seen_by(select(files).where(files.c.id == file_id), viewer)
         with self.db.read() as db:
-            row = db.execute(select(files).where(files.c.id == file_id)).mappings().first()
+            row = db.execute(query).mappings().first()
         return file_object(row) if row else None
 
-    def content(self, file_id: str) -> bytes | None:
+    def content(self, file_id: str, viewer: str | None = None) -> bytes | None:
+        query = _seen_by(select(files.c.id).where(files.c.id == file_id), viewer)
         with self.db.read() as db:
-            if db.scalar(select(files.c.id).where(files.c.id == file_id)) is None:
+            if db.scalar(query) is None:
                 return None
             parts = db.scalars(
                 select(file_chunks.c.data)
@@ -74,10 +78,15 @@ class Files:
             return b"".join(parts)
 
     def page(
-        self, purpose: str | None, after: str | None, limit: int, ascending: bool
+        self,
+        purpose: str | None,
+        after: str | None,
+        limit: int,
+        ascending: bool,
+        viewer: str | None = None,
     ) -> tuple[list[dict[str, Any]], bool]:
         """A page of files and whether more follow, newest first unless ``ascending``."""
-        query = select(files)
+        query = _seen_by(select(files), viewer)
         if purpose:
             query = query.where(files.c.purpose == purpose)
         if after:
@@ -88,9 +97,11 @@ class Files:
             rows = db.execute(query.order_by(order).limit(limit + 1)).mappings().all()
         return [file_object(row) for row in rows[:limit]], len(rows) > limit
 
-    def delete(self, file_id: str) -> bool:
+    def delete(self, file_id: str, viewer: str | None = None) -> bool:
         with self.db.write() as db:
-            return _delete(db, [file_id]) > 0
+            if db.scalar(_seen_by(select(files.c.id).where(files.c.id == file_id), viewer)):
+                return _delete(db, [file_id]) > 0
+            return False
 
     def expire(self, now: float | None = None) -> int:
         """Delete the files past their expiry; how many."""
@@ -108,6 +119,11 @@ class Files:
     def total_bytes(self) -> int:
         with self.db.read() as db:
             return int(db.scalar(select(func.coalesce(func.sum(files.c.bytes), 0))) or 0)
+
+
+def _seen_by(query: Select[Any], viewer: str | None) -> Select[Any]:
+    """``query`` limited to the files ``viewer`` may see (None: every file)."""
+    return query if viewer is None else query.where(files.c.owner == viewer)
 
 
 def _delete(db: Connection, ids: list[str]) -> int:

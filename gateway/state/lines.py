@@ -46,6 +46,8 @@ class Claimed:
     line: Line
     cache: bool
     expires_at: int
+    # The name of the API key that created the job (None: no keys then).
+    owner: str | None = None
 
 
 class Lines:
@@ -81,15 +83,20 @@ class Lines:
                     .where(lines.c.batch_id == batch_id, lines.c.line.in_(indices))
                     .values(lease_owner=owner, lease_until=now + lease)
                 )
-                raw = db.scalar(select(batches.c.object).where(batches.c.id == batch_id))
-                job = msgspec.json.decode(raw or b"{}")
+                raw, job_owner = db.execute(
+                    select(batches.c.object, batches.c.owner).where(batches.c.id == batch_id)
+                ).one()
+                job = msgspec.json.decode(raw)
                 cache = (job.get("metadata") or {}).get(CACHE_METADATA_KEY) == "true"
                 rows = db.execute(
                     select(lines.c.line, lines.c.custom_id, lines.c.url, lines.c.body)
                     .where(lines.c.batch_id == batch_id, lines.c.line.in_(indices))
                     .order_by(lines.c.line)
                 )
-                claimed += [Claimed(batch_id, Line(*row), cache, job["expires_at"]) for row in rows]
+                claimed += [
+                    Claimed(batch_id, Line(*row), cache, job["expires_at"], job_owner)
+                    for row in rows
+                ]
             return claimed
 
     def renew(self, owner: str, lease: float) -> int:

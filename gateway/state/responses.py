@@ -3,7 +3,8 @@
 Not a cache: a stored response stays until its retention ends (30 days by
 default, as OpenAI keeps them; ``--responses-days``), whatever else the
 gateway stores, and every replica sharing the store finds it.
-``expire()`` deletes what is past its retention.
+``expire()`` deletes what is past its retention. A response belongs to the
+key that made it: another key finds none (``viewer`` as in ``gateway.state``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class Responses:
         self.db = db
         self.retention_seconds = retention_seconds
 
-    def put(self, response_id: str, record: bytes) -> None:
+    def put(self, response_id: str, record: bytes, owner: str | None = None) -> None:
         now = int(time.time())
         with self.db.write() as db:
             db.execute(delete(responses).where(responses.c.id == response_id))
@@ -31,13 +32,16 @@ class Responses:
                     created_at=now,
                     expires_at=now + int(self.retention_seconds),
                     record=record,
+                    owner=owner,
                 )
             )
 
-    def get(self, response_id: str) -> bytes | None:
+    def get(self, response_id: str, viewer: str | None = None) -> bytes | None:
         query = select(responses.c.record).where(
             responses.c.id == response_id, responses.c.expires_at > time.time()
         )
+        if viewer is not None:
+            query = query.where(responses.c.owner == viewer)
         with self.db.read() as db:
             record: bytes | None = db.scalar(query)
             return record

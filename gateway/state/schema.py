@@ -11,6 +11,9 @@ A migration is a function of a connection, applied once, in order, inside
 the transaction that records it in ``schema_migrations`` (``gateway.state.db``
 holds a lock across that transaction so replicas starting at once apply each
 migration exactly once). Append new ones; never edit one that has shipped.
+The tables below are the schema as it is now; a migration that creates
+tables creates them as they were then (``_V1``), so it does the same on an
+empty database today as it did when it shipped.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
+    text,
 )
 
 metadata = MetaData()
@@ -113,14 +117,70 @@ responses = Table(
 )
 
 
+# The tables as migration 1 made them (before the columns migration 2 adds).
+_V1 = MetaData()
+for _table in (files, file_chunks, batches, lines, responses):
+    _table.to_metadata(_V1)
+
+
 def _create_v1(connection: Connection) -> None:
-    metadata.create_all(
-        connection, tables=[files, file_chunks, batches, lines, responses], checkfirst=True
-    )
+    _V1.create_all(connection, checkfirst=True)
+
+
+# -- migration 2: usage per key, and who owns each file, batch and response ------------
+
+# The key name (``shared.api_keys.KeyEntry.name``) that made the row; NULL when
+# no keys were configured (every caller sees it).
+OWNED = (files, batches, responses)
+for _table in OWNED:
+    _table.append_column(Column("owner", String))
+files_by_owner = Index("files_owner", files.c.owner, files.c.seq)
+batches_by_owner = Index("batches_owner", batches.c.owner, batches.c.seq)
+
+# What each key used, per model and UTC day (gateway.state.usage): counters
+# that gateway processes add to, never set.
+usage = Table(
+    "usage",
+    metadata,
+    # The key's name, or ANONYMOUS ("-") for requests with no keys configured.
+    Column("key", String, primary_key=True),
+    # The model the request named (an alias stays the alias).
+    Column("model", String, primary_key=True),
+    # The UTC day, YYYY-MM-DD.
+    Column("day", String, primary_key=True),
+    Column("requests", BigInteger, nullable=False),
+    Column("prompt_tokens", BigInteger, nullable=False),
+    Column("completion_tokens", BigInteger, nullable=False),
+    # Tokens answered from the response cache, not computed by an engine.
+    Column("cached_tokens", BigInteger, nullable=False),
+)
+
+# The flushes already added to ``usage``, so a flush tried again (its commit's
+# answer was lost) is added once. Deleted after a day (``Usage.expire``).
+usage_flushes = Table(
+    "usage_flushes",
+    metadata,
+    Column("id", String, primary_key=True),
+    Column("at", Integer, nullable=False, index=True),
+)
+
+
+def _v2_usage_and_owners(connection: Connection) -> None:
+    for table in OWNED:
+        connection.execute(text(f"ALTER TABLE {table.name} ADD COLUMN owner VARCHAR"))
+    files_by_owner.create(connection)
+    batches_by_owner.create(connection)
+    usage.create(connection)
+    usage_flushes.create(connection)
 
 
 Migration = tuple[int, str, Callable[[Connection], None]]
 
 MIGRATIONS: list[Migration] = [
     (1, "files, batches and their lines, stored responses", _create_v1),
+    (
+        2,
+        "usage per key, model and day; an owner for files, batches, responses",
+        _v2_usage_and_owners,
+    ),
 ]

@@ -111,3 +111,8 @@ def test_add_refuses_to_edit_a_plain_list(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not a YAML keys file"):
         api_keys.add(path, "a")
     assert yaml.safe_load(path.read_text()) == "sk-plain"
+
+
+def test_no_key_may_take_the_name_of_requests_without_one() -> None:
+    with pytest.raises(ValueError, match="reserved"):
+        api_keys.parse(f"keys:\n  - name: '{api_keys.ANONYMOUS}'\n    key: sk-abc\n", "k.yaml")

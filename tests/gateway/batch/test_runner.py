@@ -13,11 +13,13 @@ from typing import Any
 import pytest
 from sqlalchemy import update
 
+from gateway.api.auth import SCOPE_KEY, KeyRing
 from gateway.batch import jsonl, runner
 from gateway.batch.runner import Runner
 from gateway.state import State
 from gateway.state.batches import Batches
 from gateway.state.schema import batches as batches_table
+from shared import api_keys
 from shared.settings import GatewaySettings
 
 CHAT = "/v1/chat/completions"
@@ -135,3 +137,28 @@ async def test_lines_not_run_by_the_end_of_the_window_expire(tmp_path: Path) -> 
     await batch_runner.stop()
     assert batch["status"] == "expired" and not app.scopes
     assert {x["error"]["code"] for x in content(store, batch["error_file_id"])} == {"batch_expired"}
+
+
+async def test_a_jobs_lines_run_as_its_owners_key_and_a_revoked_one_fails_them(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "keys.yaml"
+    api_keys.add(path, "team-a")
+    api_keys.add(path, "team-b")
+    app = App()
+    state = State(GatewaySettings(state_dir=str(tmp_path)))
+    await state.connect()
+    line = json.dumps({"custom_id": "c0", "method": "POST", "url": CHAT, "body": {"n": 0}})
+    owned = state.batches.create("f", CHAT, "24h", None, jsonl.parse(line.encode()), "team-a")
+    gone = state.batches.create("f", CHAT, "24h", None, jsonl.parse(line.encode()), "revoked")
+    ring = KeyRing(GatewaySettings(api_keys_file=str(path)))
+    batch_runner = Runner(state, app, lambda: 4, lambda: 1e9, 2, ring)
+    batch_runner.start()
+    await finished(state.batches, owned["id"])
+    failed = await finished(state.batches, gone["id"])
+    await batch_runner.stop()
+    [scope] = app.scopes
+    assert scope[SCOPE_KEY].name == "team-a"
+    [error] = content(state.batches, failed["error_file_id"])
+    assert error["response"]["status_code"] == 401
+    assert "revoked" in error["response"]["body"]["error"]["message"]

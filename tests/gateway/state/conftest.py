@@ -15,14 +15,21 @@ _names = itertools.count()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+def empty_database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    """A store with no schema yet."""
     url = ""
     if request.param == "postgresql":
         server = request.getfixturevalue("postgres_server")
         url = server.create_database(f"state_{next(_names)}")
     db = Database(url, tmp_path / "state")
-    db.migrate()
     try:
         yield db
     finally:
         db.close()
+
+
+@pytest.fixture
+def database(empty_database: Database) -> Database:
+    """A store with the whole schema."""
+    empty_database.migrate()
+    return empty_database

@@ -214,3 +214,38 @@ def test_the_state_directory_follows_the_flag_then_xdg(monkeypatch: pytest.Monke
     assert resolve_state_dir("/data/llmgate") == Path("/data/llmgate")
     monkeypatch.setenv("XDG_STATE_HOME", "relative/ignored")  # the spec: absolute only
     assert resolve_state_dir("") == Path.home() / ".local" / "state" / "llmgate"
+
+
+def test_a_job_its_lines_and_its_files_are_its_owners(store: Batches) -> None:
+    mine = store.create("file-x", CHAT, "24h", None, lines(2), owner="team-a")["id"]
+    theirs = store.create("file-y", CHAT, "24h", None, lines(1), owner="team-b")["id"]
+    assert store.get(mine, "team-a") is not None and store.get(theirs, "team-a") is None
+    assert [b["id"] for b in store.page(None, 10, "team-a")[0]] == [mine]
+    assert [b["id"] for b in store.page(None, 10)[0]] == [theirs, mine]
+    assert store.set_status(theirs, "cancelling", ("validating",), "team-a") is None
+    assert store.get(theirs)["status"] == "validating"  # type: ignore[index]
+    store.start_validated()
+    claimed = store.lines.claim("a", 10, 30)
+    assert {(c.batch_id, c.owner) for c in claimed} == {(mine, "team-a"), (theirs, "team-b")}
+    for c in claimed:
+        store.lines.finish_line("a", c.batch_id, c.line.index, False, ok(c.line.custom_id))
+    done, _ = store.finalize(mine, "completed", "", "")
+    assert store.files.get(done["output_file_id"], "team-a") is not None
+    assert store.files.get(done["output_file_id"], "team-b") is None
+
+
+def test_a_job_that_ends_has_the_sum_of_its_answers_usage(store: Batches) -> None:
+    batch_id = running(store, 3)
+    claimed = store.lines.claim("a", 10, 30)
+    for c, (prompt, completion) in zip(claimed, [(10, 2), (7, 3)], strict=False):
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion}
+        result = output_line(c.line.custom_id, 200, "r", {"usage": usage})
+        store.lines.finish_line("a", batch_id, c.line.index, False, result)
+    error = output_line("c2", 400, "r", {"error": {}})
+    store.lines.finish_line("a", batch_id, claimed[2].line.index, True, error)
+    done, _ = store.finalize(batch_id, "completed", "", "")
+    parsed = openai.types.Batch.model_validate(done)
+    assert parsed.usage is not None
+    assert (parsed.usage.input_tokens, parsed.usage.output_tokens) == (17, 5)
+    assert parsed.usage.total_tokens == 22
+    assert parsed.usage.input_tokens_details.cached_tokens == 0

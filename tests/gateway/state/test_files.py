@@ -59,3 +59,17 @@ def test_expired_files_are_deleted_with_their_bytes(database: Database) -> None:
     assert files.get(gone["id"]) is None and files.content(gone["id"]) is None
     assert files.get(kept["id"]) is not None and files.get(forever["id"]) is not None
     assert files.total_bytes() == 6
+
+
+def test_a_key_sees_only_its_own_files_and_no_viewer_sees_all(database: Database) -> None:
+    files = Files(database)
+    mine = files.add(b"a", "a.jsonl", "batch", owner="team-a")["id"]
+    theirs = files.add(b"b", "b.jsonl", "batch", owner="team-b")["id"]
+    assert files.get(mine, "team-a") is not None and files.get(theirs, "team-a") is None
+    assert files.content(theirs, "team-a") is None and files.content(mine, "team-a") == b"a"
+    page, _ = files.page(None, None, 10, ascending=True, viewer="team-a")
+    assert [f["id"] for f in page] == [mine]
+    page, _ = files.page(None, None, 10, ascending=True)  # an admin, or no keys
+    assert [f["id"] for f in page] == [mine, theirs]
+    assert not files.delete(theirs, "team-a") and files.get(theirs) is not None
+    assert files.delete(theirs) and files.get(theirs) is None

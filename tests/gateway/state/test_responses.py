@@ -23,3 +23,11 @@ def test_a_response_past_its_retention_is_not_served_before_the_reaper_runs(
 ) -> None:
     Responses(database, retention_seconds=-1).put("resp_old", b"{}")
     assert Responses(database, retention_seconds=3600).get("resp_old") is None
+
+
+def test_a_response_is_found_by_its_own_key_only(database: Database) -> None:
+    responses = Responses(database, retention_seconds=3600)
+    responses.put("resp_a", b"{}", owner="team-a")
+    assert responses.get("resp_a", "team-a") == b"{}"
+    assert responses.get("resp_a", "team-b") is None
+    assert responses.get("resp_a") == b"{}"  # an admin, or no keys

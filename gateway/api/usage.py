@@ -1,0 +1,104 @@
+"""``GET /v1/usage``: what each API key used, per model and UTC day (``gateway.state.usage``).
+
+Filters, all optional, in the query string: ``key``, ``model``, and
+``start_date`` / ``end_date`` (``YYYY-MM-DD``, UTC days, both included). A
+key sees its own usage only (``key`` may name no other); an ``admin`` key,
+or any caller when no keys are configured, sees every key's. A filter that
+is malformed, repeated or unknown is a 400. The answer::
+
+    {"object": "list",
+     "data": [{"object": "usage", "key": "team-a", "model": "m", "date": "2025-06-01",
+               "requests": 3, "prompt_tokens": 30, "completion_tokens": 12,
+               "cached_tokens": 0, "total_tokens": 42}, ...],
+     "total": {"requests": 3, "prompt_tokens": 30, "completion_tokens": 12,
+               "cached_tokens": 0, "total_tokens": 42}}
+
+Rows come by date, key and model. Each gateway process flushes its counts
+every few seconds (``gateway.state.ledger``), so a request shows here
+within that long.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import date
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from gateway import errors
+from gateway.api.auth import viewer_of
+from gateway.api.state import store_of
+from gateway.jsonresp import json_response
+from gateway.routes import serves
+from gateway.state.usage import COUNTS
+from shared import routes
+
+FILTERS = ("key", "model", "start_date", "end_date")
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
+@serves(routes.USAGE)
+async def usage(request: Request) -> Response:
+    params = request.query_params
+    unknown = sorted(set(params) - set(FILTERS))
+    if unknown:
+        raise errors.BadRequest(
+            f"Unknown filter {unknown[0]!r}: the filters are {', '.join(FILTERS)}.", unknown[0]
+        )
+    for name in FILTERS:
+        if len(params.getlist(name)) > 1:
+            raise errors.BadRequest(f"`{name}` may be given once.", name)
+    start, end = (
+        _date(params.get("start_date"), "start_date"),
+        _date(params.get("end_date"), "end_date"),
+    )
+    if start is not None and end is not None and start > end:
+        raise errors.BadRequest("`start_date` is after `end_date`.", "start_date")
+    key = params.get("key")
+    viewer = viewer_of(request.scope)
+    if viewer is not None:
+        if key is not None and key != viewer:
+            raise errors.BadRequest(
+                "`key`: an API key sees its own usage only (an admin key sees every key's).",
+                "key",
+            )
+        key = viewer
+    store = store_of(request)
+    rows = await store.call(store.usage.rows, key, params.get("model"), start, end)
+    return json_response(
+        {
+            "object": "list",
+            "data": [_row(row) for row in rows],
+            "total": _with_total({name: sum(row[name] for row in rows) for name in COUNTS}),
+        }
+    )
+
+
+def _date(value: str | None, name: str) -> date | None:
+    if value is None:
+        return None
+    try:
+        if not _DATE.fullmatch(value):
+            raise ValueError
+        return date.fromisoformat(value)
+    except ValueError:
+        raise errors.BadRequest(
+            f"`{name}` must be a date as YYYY-MM-DD (a UTC day), not {value!r}.", name
+        ) from None
+
+
+def _row(row: dict[str, Any]) -> dict[str, Any]:
+    counts = {name: int(row[name]) for name in COUNTS}
+    return {
+        "object": "usage",
+        "key": row["key"],
+        "model": row["model"],
+        "date": row["day"],
+        **_with_total(counts),
+    }
+
+
+def _with_total(counts: dict[str, int]) -> dict[str, int]:
+    return {**counts, "total_tokens": counts["prompt_tokens"] + counts["completion_tokens"]}

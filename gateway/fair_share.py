@@ -1,0 +1,189 @@
+"""Fair sharing of worker slots between API keys under overload: a virtual token counter.
+
+After Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024),
+the Virtual Token Counter (VTC). Each key (a tenant, by its name) has a
+counter of the service it received, in tokens (prompt + completion). When
+requests queue, the next free slot goes to the waiting request whose key's
+counter is the smallest (the one that came first among equal counters, and
+within a key first come first served). So a key that floods the gateway
+gets its share of the slots, not all of them, and a key that sends little
+is served almost at once.
+
+* Charging: a request is charged its key's expected cost (the key's recent
+  mean tokens per request) when it is given a slot (woken for one, or
+  taking a free one at once), so a flood is charged before any of it ends;
+  when it ends, the expected cost is replaced by the usage the engine
+  reported. A request that ends without usage (aborted, failed) keeps the
+  expected cost; one woken that leaves without the slot is refunded.
+* No banked credit: a key that becomes active (a request waiting or
+  running, after none) has its counter lifted to the least service received
+  by the keys already active (their counters without what is charged in
+  advance), or, with none active, to the counter of the last key that
+  was. A key idle for an hour is served like the others, not for an hour
+  alone.
+* Requests without a key (no keys configured) all share one counter (the
+  key ``None``): one line, first come first served, as without fair sharing.
+
+The counters live in each gateway process, beside its admission queues
+(which are per process too): with ``--processes N`` or several replicas,
+each shares its own slots fairly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+
+# Tokens a request of a key is expected to cost before any of its key's (or
+# any key's) requests has ended: only the order of the first charges
+# depends on it; measured costs replace it from the first usage on.
+DEFAULT_ESTIMATE = 256.0
+# Weight of the newest request's tokens in a key's (and all keys') running mean.
+_EWMA_WEIGHT = 0.2
+
+Tenant = str | None
+
+
+class _Account:
+    """One key's service received, and what is charged to it in advance."""
+
+    __slots__ = ("active", "charged", "counter", "estimate", "outstanding")
+
+    def __init__(self, estimate: float) -> None:
+        # Virtual tokens of service received (and charged in advance).
+        self.counter = 0.0
+        # Requests of this key waiting or running in this process.
+        self.active = 0
+        # Requests charged the expected cost and not yet settled, and that cost in all.
+        self.charged = 0
+        self.outstanding = 0.0
+        # Expected tokens of its next request (running mean of its usage).
+        self.estimate = estimate
+
+
+class FairShare:
+    """Every key's virtual token counter in this process (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._accounts: dict[Tenant, _Account] = {}
+        # Where a key becoming active with none active starts.
+        self._floor = 0.0
+        # Mean tokens per request across keys: a new key's first estimate.
+        self._mean = DEFAULT_ESTIMATE
+        # Arrival order of waiters, for ties between keys.
+        self._order = itertools.count()
+
+    def _account(self, tenant: Tenant) -> _Account:
+        account = self._accounts.get(tenant)
+        if account is None:
+            account = self._accounts[tenant] = _Account(self._mean)
+        return account
+
+    def counter(self, tenant: Tenant) -> float:
+        account = self._accounts.get(tenant)
+        return account.counter if account is not None else self._floor
+
+    def ticket(self) -> int:
+        """A waiter's place in arrival order (kept when it waits again after a wake-up)."""
+        return next(self._order)
+
+    def arrive(self, tenant: Tenant) -> None:
+        """A request of ``tenant`` asks for a slot."""
+        account = self._account(tenant)
+        if account.active == 0:
+            # Service the others received, not what they were charged in
+            # advance (their estimates may be high: the newcomer would then
+            # lose turns it is owed once they settle).
+            others = [a.counter - a.outstanding for a in self._accounts.values() if a.active]
+            lift = min(others) if others else self._floor
+            account.counter = max(account.counter, lift)
+        account.active += 1
+
+    def depart(self, tenant: Tenant) -> None:
+        """A request of ``tenant`` left: refused before it had a slot, or ended."""
+        account = self._accounts.get(tenant)
+        if account is None or account.active == 0:
+            return
+        account.active -= 1
+        if account.active == 0 and not any(a.active for a in self._accounts.values()):
+            self._floor = max(self._floor, account.counter)
+
+    def charge(self, tenant: Tenant) -> None:
+        """A request of ``tenant`` is given a slot: its expected cost, in advance."""
+        account = self._account(tenant)
+        account.counter += account.estimate
+        account.outstanding += account.estimate
+        account.charged += 1
+
+    def refund(self, tenant: Tenant) -> None:
+        """A request charged in advance did not take its slot after all."""
+        self._settle(tenant, None, refund=True)
+
+    def finished(self, tenant: Tenant, tokens: int | None) -> None:
+        """A request of ``tenant`` ended; ``tokens``: its usage (None if it has none)."""
+        self._settle(tenant, tokens, refund=False)
+        self.depart(tenant)
+
+    def _settle(self, tenant: Tenant, tokens: int | None, refund: bool) -> None:
+        account = self._accounts.get(tenant)
+        if account is None or account.charged == 0:
+            return
+        # The advance of one request: requests of one key are charged alike
+        # but at different times (the estimate moves), so the mean of those
+        # outstanding; once all are settled, the counter holds usage alone.
+        advance = account.outstanding / account.charged
+        account.outstanding -= advance
+        account.charged -= 1
+        if refund:
+            account.counter -= advance
+        elif tokens is not None:
+            account.counter += tokens - advance
+            account.estimate += _EWMA_WEIGHT * (tokens - account.estimate)
+            self._mean += _EWMA_WEIGHT * (tokens - self._mean)
+
+
+class FairQueue:
+    """The requests waiting for one pool (or its low-priority line), by key: the
+    next is the first of the key with the smallest counter."""
+
+    __slots__ = ("_lines", "_share")
+
+    def __init__(self, share: FairShare) -> None:
+        self._share = share
+        # Per key, its waiters in order: (ticket, future). A done future is
+        # skipped (its request was woken by another pool, left, or was woken).
+        self._lines: dict[Tenant, collections.deque[tuple[int, asyncio.Future[None]]]] = {}
+
+    def append(self, waiter: asyncio.Future[None], tenant: Tenant, ticket: int) -> None:
+        self._line(tenant).append((ticket, waiter))
+
+    def appendleft(self, waiter: asyncio.Future[None], tenant: Tenant, ticket: int) -> None:
+        """Back at the front of its key's line (woken, but the slot went elsewhere)."""
+        self._line(tenant).appendleft((ticket, waiter))
+
+    def _line(self, tenant: Tenant) -> collections.deque[tuple[int, asyncio.Future[None]]]:
+        line = self._lines.get(tenant)
+        if line is None:
+            line = self._lines[tenant] = collections.deque()
+        return line
+
+    def wake_one(self) -> bool:
+        """Wake the next waiter, charging its key in advance; False if none waits."""
+        best: Tenant = None
+        best_rank: tuple[float, int] | None = None
+        for tenant, line in list(self._lines.items()):
+            while line and line[0][1].done():
+                line.popleft()
+            if not line:
+                del self._lines[tenant]
+                continue
+            rank = (self._share.counter(tenant), line[0][0])
+            if best_rank is None or rank < best_rank:
+                best, best_rank = tenant, rank
+        if best_rank is None:
+            return False
+        _, waiter = self._lines[best].popleft()
+        self._share.charge(best)
+        waiter.set_result(None)
+        return True

@@ -1,0 +1,102 @@
+"""Fair sharing between API keys end to end: a lone gateway with one slot in front of the
+session's worker (the real engine), two keys, one flooding it.
+
+The outcome is an order, never a time: with one slot the requests run one
+after the other, so the order in which their responses arrive is the order
+in which they got the slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import MODEL, Served, start_gateway, stop_serve
+from tests.integration.test_pool import metric_reaches
+
+FLOODER = "sk-llmgate-test-flooder"
+QUIET = "sk-llmgate-test-quiet"
+# Four long requests (160 tokens: several seconds each on this CPU, more on a
+# busy machine), so the quiet request reaches the queue long before two of
+# them could end, however slowly the test sends it.
+FLOOD = 4
+FLOOD_TOKENS = 160
+
+
+def keys_file(directory: Path) -> Path:
+    path = directory / "keys.yaml"
+    path.write_text(
+        f"keys:\n  - name: flooder\n    key: {FLOODER}\n  - name: quiet\n    key: {QUIET}\n"
+    )
+    return path
+
+
+def start(served: Served, directory: Path, *flags: str) -> Served:
+    return start_gateway(
+        directory / "gateway.log",
+        served.worker_addresses(1),
+        *("--api-keys-file", str(keys_file(directory))),
+        *("--max-inflight-per-worker", "1", "--queue-timeout", "600"),
+        *flags,
+    )
+
+
+@pytest.fixture(scope="module")
+def fair(served: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    gateway = start(served, tmp_path_factory.mktemp("fair-share"))
+    try:
+        yield gateway
+    finally:
+        stop_serve(gateway)
+
+
+@pytest.fixture(scope="module")
+def unfair(served: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    gateway = start(served, tmp_path_factory.mktemp("no-fair-share"), "--fair-share", "false")
+    try:
+        yield gateway
+    finally:
+        stop_serve(gateway)
+
+
+async def completion_order(gateway: Served) -> tuple[list[str], int]:
+    """The flooder queues ``FLOOD`` long requests, then the quiet key one short one:
+    who finished in which order, and how many had finished when the quiet one was sent."""
+    finished: list[str] = []
+
+    async def post(client: httpx.AsyncClient, key: str, label: str, tokens: int) -> None:
+        body = {"model": MODEL, "prompt": f"{label}: count to fifty.", "max_tokens": tokens}
+        body["ignore_eos"] = True
+        response = await client.post(
+            "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+        )
+        assert response.status_code == 200, response.text
+        finished.append(label)
+
+    async with httpx.AsyncClient(base_url=gateway.base_url, timeout=600) as client:
+        flood = [
+            asyncio.create_task(post(client, FLOODER, f"flood-{i}", FLOOD_TOKENS))
+            for i in range(FLOOD)
+        ]
+        # One runs, the rest wait: then the quiet key's request arrives behind them.
+        await metric_reaches(client, "llmgate_queue_depth", FLOOD - 1, within=300)
+        before = len(finished)
+        quiet = asyncio.create_task(post(client, QUIET, "quiet", 2))
+        await asyncio.gather(*flood, quiet)
+    return finished, before
+
+
+async def test_a_quiet_key_is_served_before_a_flood_queued_ahead_of_it(fair: Served) -> None:
+    finished, before = await completion_order(fair)
+    # Right after the request that was running when it came (at worst one more
+    # of the flood's, had that one ended as it was sent), not after the rest.
+    assert finished.index("quiet") <= before + 2 < FLOOD, (finished, fair.log_tail())
+
+
+async def test_without_fair_sharing_it_waits_behind_the_whole_flood(unfair: Served) -> None:
+    finished, _ = await completion_order(unfair)
+    assert finished[-1] == "quiet", (finished, unfair.log_tail())
