@@ -52,6 +52,7 @@ from gateway import errors, metrics
 from gateway.fair_share import FairQueue, FairShare, Tenant
 from gateway.models import Target, Tier
 from gateway.policies import Policy, RoutingContext
+from gateway.slots import Slots
 from gateway.workers import Workers, WorkerState
 from shared.settings import GatewaySettings
 
@@ -96,6 +97,7 @@ class Admission:
         self.settings = settings
         self.workers = workers
         self.policy = policy
+        self.slots = Slots(settings, workers)
         # Requests waiting in this process's queues, all pools together.
         self.queued = 0
         self._pools: dict[str, _PoolQueue] = {}
@@ -150,9 +152,9 @@ class Admission:
         if not self.workers.any_healthy and not await self.workers.wait_for_any():
             metrics.REJECTED.labels("no_worker").inc()
             if target.declared:
-                raise self._not_ready(target)
+                raise self.slots.not_ready(target)
             raise errors.NoWorker("No worker is available yet; try again shortly.")
-        tiers = self._live_tiers(target, exclude)
+        tiers = self.slots.live_tiers(target, exclude)
         home = tiers[0]
         home_queue = self.pool(home)
         if low_priority:
@@ -316,21 +318,25 @@ class Admission:
     ) -> tuple[WorkerState, Tier] | None:
         """A free slot of ``tier`` for a low-priority request: only one that no
         interactive request queued for the pool will need."""
-        free = self._free(tier, exclude)
-        spare = sum(self._capacity(w) - w.in_flight for w in free)
+        free = self.slots.free(tier, exclude)
+        spare = sum(self.slots.capacity_of(w) - w.in_flight for w in free)
         if spare <= self.pool(tier).queued:
             return None
         return self.policy.select(RoutingContext(free, key)), tier
 
     def capacity(self) -> int:
         """Slots of the healthy workers, all pools together."""
-        return sum(self._capacity(w) for w in self.workers.healthy())
+        return sum(self.slots.capacity_of(w) for w in self.workers.healthy())
+
+    def serves(self, tier: Tier) -> bool:
+        """Whether any worker may take a request for ``tier`` now (slots aside)."""
+        return self.slots.serves(tier)
 
     def _take(
         self, tier: Tier, key: str | None, exclude: Collection[str]
     ) -> tuple[WorkerState, Tier] | None:
         """A free worker of ``tier``, chosen by the policy; None if none."""
-        free = self._free(tier, exclude)
+        free = self.slots.free(tier, exclude)
         if not free:
             return None
         return self.policy.select(RoutingContext(free, key)), tier
@@ -339,7 +345,7 @@ class Admission:
         self, tiers: list[Tier], key: str | None, exclude: Collection[str]
     ) -> tuple[WorkerState, Tier] | None:
         for tier in tiers[1:]:
-            free = self._free(tier, exclude)
+            free = self.slots.free(tier, exclude)
             if free:
                 metrics.child(metrics.SPILLOVER, tiers[0].label, tier.label).inc()
                 log.debug(
@@ -351,7 +357,7 @@ class Admission:
     def expected_wait(self, tier: Tier) -> float:
         """Seconds a request arriving now would wait for ``tier``'s pool (an estimate)."""
         queue = self.pool(tier)
-        slots = sum(self._capacity(w) for w in self._serving(tier, ()))
+        slots = sum(self.slots.capacity_of(w) for w in self.slots.serving(tier, ()))
         return (queue.queued + 1) / max(slots, 1) * queue.mean_seconds
 
     def finished(
@@ -394,62 +400,9 @@ class Admission:
         """A worker came up: as many queued requests as there are free slots in
         each pool look for one (the first in line; the rest keep their place)."""
         for queue in self._pools.values():
-            free = sum(self._capacity(w) - w.in_flight for w in self._free(queue.tier, ()))
+            free = sum(
+                self.slots.capacity_of(w) - w.in_flight for w in self.slots.free(queue.tier, ())
+            )
             for _ in range(free):
                 if not queue.wake_one():
                     break
-
-    def _capacity(self, worker: WorkerState) -> int:
-        """The smaller of what the worker reports and --max-inflight-per-worker (0s unset)."""
-        reported, cap = worker.capacity, self.settings.max_inflight_per_worker
-        if reported and cap:
-            return min(reported, cap)
-        return reported or cap or 1
-
-    @staticmethod
-    def _runs(worker: WorkerState, tier: Tier, exclude: Collection[str]) -> bool:
-        """Whether ``worker`` may take a request for ``tier`` now (slots aside);
-        ``exclude``: addresses of workers not to use."""
-        return (
-            worker.healthy
-            and not worker.draining
-            and tier.model in worker.models
-            and (not tier.pool or worker.pool == tier.pool)
-            and worker.address not in exclude
-        )
-
-    def serves(self, tier: Tier) -> bool:
-        """Whether any worker may take a request for ``tier`` now (slots aside)."""
-        return any(self._runs(w, tier, ()) for w in self.workers.by_address.values())
-
-    def _serving(self, tier: Tier, exclude: Collection[str]) -> list[WorkerState]:
-        return [w for w in self.workers.by_address.values() if self._runs(w, tier, exclude)]
-
-    def _free(self, tier: Tier, exclude: Collection[str]) -> list[WorkerState]:
-        return [w for w in self._serving(tier, exclude) if w.in_flight < self._capacity(w)]
-
-    def _live_tiers(self, target: Target, exclude: Collection[str]) -> list[Tier]:
-        """The target's tiers that have a worker to run on; 404/503 if none has."""
-        workers = self.workers.by_address.values()
-        tiers = [t for t in target.tiers if any(self._runs(w, t, exclude) for w in workers)]
-        if tiers:
-            return tiers
-        # None: say why.
-        model = target.model
-        healthy = self.workers.healthy()
-        serving = [w for w in healthy if any(t.model in w.models for t in target.tiers)]
-        if serving:
-            metrics.REJECTED.labels("no_worker").inc()
-            raise errors.NoWorker(f"No other worker for model `{model}` is available.")
-        if target.declared or model in self.workers.known_models:
-            # Its pool is starting (or down): it will be served, so not a 404.
-            metrics.REJECTED.labels("no_worker").inc()
-            raise self._not_ready(target)
-        if healthy and not any(w.draining for w in healthy):
-            raise errors.ModelNotFound.for_model(model)
-        metrics.REJECTED.labels("no_worker").inc()
-        raise errors.NoWorker(f"No worker for model `{model}` is available.")
-
-    def _not_ready(self, target: Target) -> errors.ModelNotReady:
-        served_before = target.model in self.workers.known_models
-        return errors.ModelNotReady.for_model(target.model, served_before)
