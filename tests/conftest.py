@@ -14,7 +14,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import pytest
 
 from shared.ports import free_port, free_port_range
 from tests.integration.postgres_server import PostgresServer
+from tests.integration.redis_server import RedisServer
 from tests.stall_watch import LoopWatch, StallWatch, report, watched_policy
 
 MODEL = "smollm2-135m-instruct"
@@ -188,6 +190,40 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 @pytest.fixture(scope="session")
 def base_url(served: Served) -> str:
     return served.base_url
+
+
+@contextmanager
+def gateway_pair(
+    served: Served,
+    directory: Path,
+    *flags: str,
+    each: Callable[[str], Sequence[str]] = lambda name: (),
+) -> Iterator[tuple[Served, Served]]:
+    """Two lone gateway processes, ``a`` and ``b``, in front of the session's
+    worker, with ``flags`` and ``each(name)`` of their own (a state directory)."""
+    workers = served.worker_addresses(1)
+    first = start_gateway(directory / "a.log", workers, *flags, *each("a"))
+    try:
+        second = start_gateway(directory / "b.log", workers, *flags, *each("b"))
+        try:
+            yield first, second
+        finally:
+            stop_serve(second)
+    finally:
+        stop_serve(first)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One real Redis for the session (Debian's, tests/integration/redis_server.py),
+    started the first time a test asks for it; the cache's outage test stops and
+    starts it again."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

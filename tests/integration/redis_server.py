@@ -10,12 +10,9 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from shared.ports import free_port
-from tests.conftest import Served, start_gateway, stop_serve
 
 READY_LINE = "Ready to accept connections"
 
@@ -51,20 +48,3 @@ class RedisServer:
             self.proc.terminate()
             self.proc.wait(timeout=30)
         self.proc = None
-
-
-@contextmanager
-def gateways_sharing(
-    redis_server: RedisServer, served: Served, directory: Path, *flags: str
-) -> Iterator[tuple[Served, Served]]:
-    """Two gateway processes with ``--cache`` on one Redis, in front of the session's worker."""
-    cache = ("--cache", redis_server.url, *flags)
-    first = start_gateway(directory / "a.log", served.worker_addresses(1), *cache)
-    try:
-        second = start_gateway(directory / "b.log", served.worker_addresses(1), *cache)
-        try:
-            yield first, second
-        finally:
-            stop_serve(second)
-    finally:
-        stop_serve(first)

@@ -18,8 +18,8 @@ import httpx
 import pytest
 import redis
 
-from tests.conftest import MODEL, Served, start_gateway, stop_serve
-from tests.integration.redis_server import RedisServer, gateways_sharing
+from tests.conftest import MODEL, Served, gateway_pair, start_gateway, stop_serve
+from tests.integration.redis_server import RedisServer
 
 CACHE = "x-llmgate-cache"
 FRESH = ("id", "created")
@@ -222,22 +222,13 @@ def test_the_memory_cache_keeps_to_its_byte_budget(served: Served, tmp_path: Pat
 
 
 @pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
 def two_gateways(
     served: Served, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Served, Served]]:
     """Two gateway processes sharing one Redis, in front of the session's worker."""
     directory = tmp_path_factory.mktemp("redis-gateways")
-    with gateways_sharing(redis_server, served, directory, "--cache-ttl", "600") as both:
+    flags = ("--cache", redis_server.url, "--cache-ttl", "600")
+    with gateway_pair(served, directory, *flags) as both:
         yield both
 
 

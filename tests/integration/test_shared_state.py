@@ -26,7 +26,7 @@ from sqlalchemy import func, select
 from gateway.state.db import Database
 from gateway.state.schema import MIGRATIONS, lines
 from shared.ports import free_port
-from tests.conftest import MODEL, ROOT, Served, start_gateway, stop_serve
+from tests.conftest import MODEL, ROOT, Served, gateway_pair, start_gateway, stop_serve
 from tests.integration.postgres_server import PostgresServer
 from tests.integration.test_batches import (
     client_of,
@@ -53,15 +53,11 @@ def database(postgres_server: PostgresServer, request: pytest.FixtureRequest) ->
 
 @pytest.fixture
 def pair(served: Served, tmp_path: Path, database: str) -> Iterator[tuple[Served, Served]]:
-    first = replica(tmp_path, served, "a", database, "--batch-max-inflight", "4")
-    try:
-        second = replica(tmp_path, served, "b", database, "--batch-max-inflight", "4")
-        try:
-            yield first, second
-        finally:
-            stop_serve(second)
-    finally:
-        stop_serve(first)
+    def state(name: str) -> tuple[str, ...]:
+        return ("--state-dir", str(tmp_path / f"{name}-state"), "--state-db", database)
+
+    with gateway_pair(served, tmp_path, "--batch-max-inflight", "4", each=state) as both:
+        yield both
 
 
 def completed_lines(gateway: Served) -> float:

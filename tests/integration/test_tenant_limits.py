@@ -20,23 +20,13 @@ import openai
 import pytest
 
 from shared import api_keys
-from tests.conftest import MODEL, Served, start_gateway, stop_serve
+from tests.conftest import MODEL, Served, gateway_pair
 from tests.integration.redis_server import RedisServer
 
 # Token-id prompts of 9 tokens and max_tokens 1: the gateway reserves exactly
 # what the worker reports (9 + 1), so settling moves nothing.
 PROMPT_IDS = [1, 2, 3, 4, 5, 6, 7, 8, 9]
 COST = len(PROMPT_IDS) + 1
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("limits-redis"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 class Keys:
@@ -73,15 +63,8 @@ def two_gateways(
 ) -> Iterator[tuple[Served, Served]]:
     directory = tmp_path_factory.mktemp("limits-gateways")
     flags = ("--limits", redis_server.url, "--api-keys-file", str(keys.path))
-    first = start_gateway(directory / "a.log", served.worker_addresses(1), *flags)
-    try:
-        second = start_gateway(directory / "b.log", served.worker_addresses(1), *flags)
-        try:
-            yield first, second
-        finally:
-            stop_serve(second)
-    finally:
-        stop_serve(first)
+    with gateway_pair(served, directory, *flags) as both:
+        yield both
 
 
 def completion(gateway: Served, headers: dict[str, str], prompt: Any = "Hi") -> httpx.Response:

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,16 +43,6 @@ from tests.integration.redis_server import RedisServer
 # Seconds a call may take on a busy machine before the limiter counts per
 # process instead: the tests are about the limits, not about a slow Redis.
 PATIENT = 30.0
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis-limits"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 # In the test's own loop, where its Redis connections are made.
