@@ -20,32 +20,51 @@ One ``llmgate serve --cache memory`` (one worker, the embedded model,
    ``{"llmgate_cache": "true"}``, and the same requests interactively: how
    many hit, and their latency.
 
+With ``--gateways N`` (N > 1), N gateways share the state store (the
+serve's SQLite state directory, or ``--state-db``) and run the batch
+together: besides the serve's gateway, N-1 lone gateways (``python -m
+gateway.main --cache memory``) in front of the serve's worker. The order
+changes so that one run measures both: phases 4 and 3 first, on the serve's
+gateway alone (the batch's lines per second with 1 gateway); then the extra
+gateways start, the same batch alone runs on all N (lines per second with N
+gateways, and how many lines each ran, from its
+``llmgate_batch_lines_total{status="completed"}``); then phases 1 and 2, the
+interactive users' requests spread round-robin over the N gateways, the
+batch created through the first.
+
 Writes ``summary.json`` into the run's directory and prints a table.
 
     make loadtest ARGS="--scenario batch"
+    make loadtest ARGS="--scenario batch --gateways 2"
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
+import itertools
 import json
 import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.percentiles import observed_percentile
-from loadtest.procs import await_ready, launched, served_model
+from loadtest.procs import await_ready, healthy_workers, launched, served_model
 from loadtest.report import ROOT
 from shared.ports import free_port, free_port_range
 
 STARTUP_TIMEOUT_S = 600.0
+# A lone gateway in front of a worker that is already up starts in seconds.
+GATEWAY_TIMEOUT_S = 120.0
 CHAT = "/v1/chat/completions"
 TOPICS = ("rivers", "mountains", "birds", "trees", "stars", "ships", "bridges", "clocks")
 
@@ -81,22 +100,31 @@ def greedy_body(model: str, i: int, tokens: int, tag: str) -> dict[str, Any]:
 
 
 async def interactive(
-    url: str, model: str, users: int, seconds: float, tokens: int, until: asyncio.Event | None
+    urls: Sequence[str],
+    model: str,
+    users: int,
+    seconds: float,
+    tokens: int,
+    until: asyncio.Event | None,
 ) -> list[float]:
-    """Closed-loop users for ``seconds`` (or until ``until`` is set): each request's latency."""
+    """Closed-loop users for ``seconds`` (or until ``until`` is set): each request's latency.
+
+    Requests go to the gateways ``urls`` in turn (round-robin over all users' requests).
+    """
     latencies: list[float] = []
     stop_at = time.monotonic() + seconds
+    turn = itertools.cycle(urls)
 
     async def user(index: int, client: httpx.AsyncClient) -> None:
         i = index
         while time.monotonic() < stop_at and not (until is not None and until.is_set()):
             started = time.monotonic()
-            response = await client.post(CHAT, json=sampled_body(model, i, tokens))
+            response = await client.post(next(turn) + CHAT, json=sampled_body(model, i, tokens))
             if response.status_code == 200:
                 latencies.append(time.monotonic() - started)
             i += users
 
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+    async with httpx.AsyncClient(timeout=600) as client:
         await asyncio.gather(*(user(u, client) for u in range(users)))
     return latencies
 
@@ -164,21 +192,50 @@ async def timed(url: str, bodies: list[dict[str, Any]]) -> tuple[list[float], li
     return latencies, results
 
 
-def measure(url: str, model: str, args: Any) -> dict[str, Any]:
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+def completed_lines(metrics_page: str) -> int:
+    """Batch lines a gateway completed, from its ``/metrics`` page (every label set summed)."""
+    total = 0.0
+    for family in text_string_to_metric_families(metrics_page):
+        for sample in family.samples:
+            if (
+                sample.name == "llmgate_batch_lines_total"
+                and sample.labels.get("status") == "completed"
+            ):
+                total += sample.value
+    return round(total)
+
+
+def lines_by_gateway(urls: Sequence[str]) -> list[int]:
+    """Each gateway's ``llmgate_batch_lines_total{status="completed"}`` now."""
+    return [completed_lines(httpx.get(f"{url}/metrics", timeout=30).text) for url in urls]
+
+
+def _openai_client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+def batch_lines(model: str, args: Any) -> list[dict[str, Any]]:
+    return [sampled_body(model, i, args.batch_tokens) for i in range(args.batch_lines)]
+
+
+def interactive_phases(urls: Sequence[str], model: str, args: Any) -> dict[str, Any]:
+    """Phases 1 and 2: interactive latency idle, then while a batch (made on ``urls[0]``) runs."""
+    client = _openai_client(urls[0])
     users, seconds, tokens = (
         args.interactive_users,
         args.interactive_seconds,
         args.interactive_tokens,
     )
-    lines = [sampled_body(model, i, args.batch_tokens) for i in range(args.batch_lines)]
+    lines = batch_lines(model, args)
     report: dict[str, Any] = {}
+    where = f" on {len(urls)} gateways" if len(urls) > 1 else ""
 
-    print("[batch] interactive, idle", flush=True)
-    idle = asyncio.run(interactive(url, model, users, seconds, tokens, None))
+    print(f"[batch] interactive, idle{where}", flush=True)
+    idle = asyncio.run(interactive(urls, model, users, seconds, tokens, None))
     report["interactive_idle"] = latency_stats(idle)
 
-    print(f"[batch] interactive while a {len(lines)}-line batch runs", flush=True)
+    print(f"[batch] interactive while a {len(lines)}-line batch runs{where}", flush=True)
+    counted = lines_by_gateway(urls)
     batch_id = create_batch(client, lines)
 
     async def under_batch() -> list[float]:
@@ -192,7 +249,7 @@ def measure(url: str, model: str, args: Any) -> dict[str, Any]:
         watcher = asyncio.create_task(watch())
         # Give the runner a moment to fill its slots before measuring.
         await asyncio.sleep(2)
-        latencies = await interactive(url, model, users, seconds, tokens, done)
+        latencies = await interactive(urls, model, users, seconds, tokens, done)
         watcher.cancel()
         return latencies
 
@@ -200,36 +257,59 @@ def measure(url: str, model: str, args: Any) -> dict[str, Any]:
     report["interactive_under_batch"] = latency_stats(busy)
     finished = wait_for_batch(client, batch_id)
     report["batch_under_load_status"] = finished.status
+    report["batch_under_load_lines_by_gateway"] = [
+        after - before for before, after in zip(counted, lines_by_gateway(urls), strict=True)
+    ]
     if idle and busy:
         report["p50_ratio"] = (
             report["interactive_under_batch"]["p50_s"] / report["interactive_idle"]["p50_s"]
         )
+    return report
 
-    print("[batch] the batch alone on an idle pool", flush=True)
+
+def batch_alone(urls: Sequence[str], model: str, args: Any) -> dict[str, Any]:
+    """Phase 3's batch, nothing else running, on the gateways ``urls`` (created on the first)."""
+    client = _openai_client(urls[0])
+    lines = batch_lines(model, args)
+    count = f"{len(urls)} gateways" if len(urls) > 1 else "1 gateway"
+    print(f"[batch] the batch alone on an idle pool ({count})", flush=True)
+    counted = lines_by_gateway(urls)
     started = time.monotonic()
     batch = wait_for_batch(client, create_batch(client, lines))
     batch_seconds = time.monotonic() - started
     counts = batch.request_counts
-    report["batch_alone"] = {
+    return {
         "lines": len(lines),
+        "gateways": len(urls),
         "status": batch.status,
         "completed": counts.completed if counts else None,
         "failed": counts.failed if counts else None,
         "seconds": batch_seconds,
         "lines_per_s": len(lines) / batch_seconds,
+        "lines_by_gateway": [
+            after - before for before, after in zip(counted, lines_by_gateway(urls), strict=True)
+        ],
     }
+
+
+def direct_phase(url: str, model: str, args: Any) -> dict[str, Any]:
+    """Phase 3's requests sent interactively by ``--direct-concurrency`` clients."""
+    lines = batch_lines(model, args)
     print(f"[batch] the same requests sent interactively ({args.direct_concurrency} clients)")
     direct_seconds = asyncio.run(send_all(url, lines, args.direct_concurrency))
-    report["interactive_same_requests"] = {
+    return {
         "requests": len(lines),
         "concurrency": args.direct_concurrency,
         "seconds": direct_seconds,
         "requests_per_s": len(lines) / direct_seconds,
     }
-    report["batch_throughput_ratio"] = (
-        report["batch_alone"]["lines_per_s"] / report["interactive_same_requests"]["requests_per_s"]
-    )
 
+
+def cache_phases(url: str, model: str, args: Any) -> dict[str, Any]:
+    """Phase 4 on one gateway (its cache is in its memory): misses, hits, precompute."""
+    client = _openai_client(url)
+    tokens = args.interactive_tokens
+    report: dict[str, Any] = {}
     print("[batch] cache: misses, then hits", flush=True)
     bodies = [greedy_body(model, i, tokens, "plain") for i in range(args.cache_requests)]
     miss_latencies, miss_results = asyncio.run(timed(url, bodies))
@@ -250,11 +330,59 @@ def measure(url: str, model: str, args: Any) -> dict[str, Any]:
     return report
 
 
+def measure(url: str, model: str, args: Any) -> dict[str, Any]:
+    """One gateway: phases 1 to 4 in order."""
+    report = interactive_phases([url], model, args)
+    report["batch_alone"] = batch_alone([url], model, args)
+    report["interactive_same_requests"] = direct_phase(url, model, args)
+    report["batch_throughput_ratio"] = (
+        report["batch_alone"]["lines_per_s"] / report["interactive_same_requests"]["requests_per_s"]
+    )
+    return report | cache_phases(url, model, args)
+
+
 def _count(results: list[str]) -> dict[str, int]:
     out: dict[str, int] = {}
     for result in results:
         out[result] = out.get(result, 0) + 1
     return out
+
+
+def gateway_argv(port: int, worker: str, run_dir: Path, state_db: str) -> list[str]:
+    """A lone gateway in front of ``worker``, on the state store the serve's gateway uses."""
+    store = ("--state-db", state_db) if state_db else ("--state-dir", str(run_dir / "state"))
+    return [
+        *(sys.executable, "-m", "gateway.main", "--port", str(port)),
+        *("--workers", worker, "--cache", "memory", *store),
+    ]
+
+
+def measure_spread(
+    stack: contextlib.ExitStack, run_dir: Path, url: str, worker: str, model: str, args: Any
+) -> dict[str, Any]:
+    """``--gateways N``: phases 4 and 3 on the serve's gateway alone, then N-1 more
+    gateways start (their processes stopped by ``stack``), the batch alone on all N,
+    phases 1 and 2 on all N."""
+    report = cache_phases(url, model, args)
+    report["interactive_same_requests"] = direct_phase(url, model, args)
+    report["batch_alone"] = batch_alone([url], model, args)
+    report["batch_throughput_ratio"] = (
+        report["batch_alone"]["lines_per_s"] / report["interactive_same_requests"]["requests_per_s"]
+    )
+    urls = [url]
+    for index in range(1, args.gateways):
+        port, name = free_port(), f"gateway-{index + 1}"
+        log_path = run_dir / f"{name}.log"
+        argv = gateway_argv(port, worker, run_dir, args.state_db)
+        proc = stack.enter_context(launched(name, argv, log_path, env=dict(os.environ), cwd=ROOT))
+        urls.append(f"http://127.0.0.1:{port}")
+        await_ready(
+            name, proc, log_path, f"{urls[-1]}/ready", GATEWAY_TIMEOUT_S, healthy_workers(1)
+        )
+    for extra in urls[1:]:  # each new gateway's first requests are not counted
+        asyncio.run(send_all(extra, [sampled_body(model, i, 8) for i in range(4)], 4))
+    report["batch_alone_spread"] = batch_alone(urls, model, args)
+    return report | interactive_phases(urls, model, args)
 
 
 def run(run_dir: Path, args: Any) -> dict[str, Any]:
@@ -263,14 +391,22 @@ def run(run_dir: Path, args: Any) -> dict[str, Any]:
         *(sys.executable, "-m", "serve", "--port", str(port)),
         *("--worker-base-port", str(base), "--enforce-eager", "--cache", "memory"),
         *("--state-dir", str(run_dir / "state")),
+        *(("--state-db", args.state_db) if args.state_db else ()),
     ]
     url = f"http://127.0.0.1:{port}"
     log_path = run_dir / "serve.log"
-    with launched("llmgate serve", argv, log_path, env=dict(os.environ), cwd=ROOT) as proc:
+    with contextlib.ExitStack() as stack:
+        proc = stack.enter_context(
+            launched("llmgate serve", argv, log_path, env=dict(os.environ), cwd=ROOT)
+        )
         await_ready("llmgate serve", proc, log_path, f"{url}/ready", STARTUP_TIMEOUT_S)
         model = served_model(url)
         asyncio.run(send_all(url, [sampled_body(model, i, 8) for i in range(8)], 4))  # warm-up
-        report = measure(url, model, args)
+        if args.gateways > 1:
+            worker = f"tcp://127.0.0.1:{base}"
+            report = measure_spread(stack, run_dir, url, worker, model, args)
+        else:
+            report = measure(url, model, args)
     report["parameters"] = {
         name: getattr(args, name)
         for name in (
@@ -281,8 +417,11 @@ def run(run_dir: Path, args: Any) -> dict[str, Any]:
             "batch_tokens",
             "direct_concurrency",
             "cache_requests",
+            "gateways",
         )
     }
+    # The URL may hold a password: only which store it was.
+    report["parameters"]["state_store"] = "postgresql (--state-db)" if args.state_db else "sqlite"
     return report
 
 
@@ -290,11 +429,16 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f}"
 
 
+def _spread(counts: Sequence[int]) -> str:
+    return " + ".join(str(count) for count in counts)
+
+
 def format_report(report: dict[str, Any]) -> str:
     idle, busy = report["interactive_idle"], report["interactive_under_batch"]
     alone, direct = report["batch_alone"], report["interactive_same_requests"]
     miss, hit, pre = report["cache_miss"], report["cache_hit"], report["precompute"]
     ratio = report.get("p50_ratio")
+    spread = report.get("batch_alone_spread")
     lines = [
         "what                              requests   p50 ms   p99 ms",
         f"interactive, idle                 {idle['requests']:>8} {_ms(idle['p50_s']):>8} "
@@ -313,4 +457,21 @@ def format_report(report: dict[str, Any]) -> str:
         f"interactively by {direct['concurrency']} clients: {direct['requests_per_s']:.1f}/s; "
         f"ratio {report['batch_throughput_ratio']:.2f} (target >= 0.8)",
     ]
+    if spread:
+        n = spread["gateways"]
+        lines += [
+            "",
+            f"interactive rows: requests round-robin over {n} gateways (their batch too); "
+            "the other rows: the first gateway alone",
+            "",
+            "gateways   lines   seconds   lines/s   lines per gateway",
+            f"{1:>8} {alone['lines']:>7} {alone['seconds']:>9.1f} {alone['lines_per_s']:>9.2f}"
+            f"   {_spread(alone.get('lines_by_gateway', [alone['lines']]))}",
+            f"{n:>8} {spread['lines']:>7} {spread['seconds']:>9.1f} "
+            f"{spread['lines_per_s']:>9.2f}   {_spread(spread['lines_by_gateway'])}"
+            f" ({spread['status']}; x{spread['lines_per_s'] / alone['lines_per_s']:.2f}"
+            " of 1 gateway)",
+            f"batch under the interactive load, lines per gateway: "
+            f"{_spread(report.get('batch_under_load_lines_by_gateway', []))}",
+        ]
     return "\n".join(lines)

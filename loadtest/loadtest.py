@@ -19,7 +19,9 @@ Scenarios (``--scenario``, default ``all``, run one after the other):
   on and off; latency p50/p99 and which pool answered.
 * ``batch`` (not part of ``all``; ``loadtest.batches``): interactive latency
   idle and while a batch job runs, the batch's throughput against the same
-  requests sent interactively, cache hit against miss latency, precompute.
+  requests sent interactively, cache hit against miss latency, precompute;
+  with ``--gateways N``, N gateways sharing the state store (``--state-db``
+  for PostgreSQL) run the batch: its lines/s on 1 and on N gateways.
 * ``tenants`` (not part of ``all``; ``loadtest.tenants``): one API key
   floods the gateway while another sends a trickle of short chats; the
   trickle's TTFT and latency alone, beside the flood with fair sharing on,
@@ -262,6 +264,18 @@ def build_parser() -> argparse.ArgumentParser:
     add("--batch-tokens", type=int, default=16, help="max_tokens of each line (batch)")
     add("--direct-concurrency", type=int, default=32, help="clients sending the lines (batch)")
     add("--cache-requests", type=int, default=50, help="requests sent twice (batch)")
+    add(
+        "--gateways",
+        type=int,
+        default=1,
+        help="gateways sharing the state store that run the batch together (batch)",
+    )
+    add(
+        "--state-db",
+        default="",
+        help="PostgreSQL URL of the gateways' state store; empty = SQLite in the run's "
+        "directory (batch)",
+    )
     add("--flood-users", type=int, default=64, help="flooding key's closed-loop users (tenants)")
     add("--flood-tokens", type=int, default=128, help="max_tokens of each flood request (tenants)")
     add("--trickle-requests", type=int, default=20, help="the other key's chats (tenants)")
@@ -277,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--duration and --step-duration must be > 0, --warmup >= 0")
     if min(args.seed_users, args.chat_users) < 1:
         raise SystemExit("--seed-users and --chat-users must be >= 1")
+    if args.gateways < 1:
+        raise SystemExit("--gateways must be >= 1")
     # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the server is stopped.
     signal.signal(signal.SIGTERM, procs.raise_interrupt)
     started = datetime.now(UTC)

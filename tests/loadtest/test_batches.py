@@ -88,7 +88,7 @@ def test_the_report_with_two_gateways_gives_both_rates_and_the_spread() -> None:
         "precompute": stats | {"headers": {"hit": 2}},
     }
     text = batches.format_report(report)
-    assert "interactive, idle, 2 gateways" in text
+    assert "interactive rows: requests round-robin over 2 gateways" in text
     assert "6 + 4 (completed; x1.25 of 1 gateway)" in text
     assert "lines per gateway: 5 + 5" in text
 
