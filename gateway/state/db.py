@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -141,7 +142,18 @@ def _sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
     # Transactions are begun by _sqlite_begin, not by the driver.
     dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
+    # Switching a new database to WAL while another process does the same can
+    # fail at once with "database is locked" (SQLite's busy timeout does not
+    # cover it): processes starting together try again.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            break
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
     # In WAL mode NORMAL loses nothing when a process dies; only a power cut
     # may lose the last commits.
     cursor.execute("PRAGMA synchronous=NORMAL")

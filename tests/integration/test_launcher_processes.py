@@ -29,7 +29,11 @@ pytestmark = pytest.mark.slow
 def children_by_role(launcher_pid: int) -> dict[str, psutil.Process]:
     roles = {}
     for child in psutil.Process(launcher_pid).children():
-        cmdline = " ".join(child.cmdline())
+        try:
+            cmdline = " ".join(child.cmdline())
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            continue  # a killed child the launcher has not reaped yet: no role now
+
         if "worker.main" in cmdline:
             roles["worker"] = child
         elif "gateway.main" in cmdline:
