@@ -227,17 +227,13 @@ def committed(store: Database, batch_id: str) -> int:
 def test_a_gateway_killed_mid_batch_resumes_it_with_no_line_lost_or_doubled(
     served: Served, tmp_path: Path
 ) -> None:
-    # One line at a time in the first gateway, so the kill lands mid-batch on
-    # any machine (a CI run once finished all 60 two at a time between two
-    # polls), and line 3 long (600 tokens: half a minute and more here), so
-    # the first gateway is still on it when the test sees 3 lines done,
-    # however late; the second runs four at a time.
+    """Outcomes only: whenever the kill lands, the job ends whole and what was
+    committed did not run again. Where the kill lands exactly (on a held
+    line): tests/faults/test_batches.py."""
     first = lone(tmp_path, served, "first", "--batch-max-inflight", "1")
     client = client_of(first)
     total = 60
-    items = requests(total, max_tokens=16)
-    items[3] = requests(4, max_tokens=600, ignore_eos=True)[3]
-    batch_id = create(client, items)
+    batch_id = create(client, requests(total, max_tokens=16))
     try:
         wait_until(first, batch_id, lambda b: b["request_counts"]["completed"] >= 3)
     finally:
@@ -245,7 +241,7 @@ def test_a_gateway_killed_mid_batch_resumes_it_with_no_line_lost_or_doubled(
     store = Database("", tmp_path / "state")
     before = committed(store, batch_id)
     store.close()
-    assert 3 <= before < total
+    assert before >= 3
     second = lone(tmp_path, served, "second", "--batch-max-inflight", "4")
     try:
         wait_until(second, batch_id, finished)

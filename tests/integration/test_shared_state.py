@@ -120,16 +120,13 @@ def test_a_batch_created_through_one_replica_is_cancelled_through_the_other(
 def test_a_replica_killed_mid_batch_leaves_its_lines_to_the_other_with_none_doubled(
     served: Served, tmp_path: Path, database: str
 ) -> None:
-    # The victim holds two lines at a time; lines 3 and 4 are long (600
-    # tokens: half a minute and more here), so once 3 lines are done it holds
-    # both, however late the test sees that, and they are left to the other.
+    """Outcomes only: whenever the kill lands, the survivor ends the job whole
+    and nothing the victim committed ran again. Where the kill lands exactly
+    (two held lines left to the survivor): tests/faults/test_batches.py."""
     victim = replica(tmp_path, served, "victim", database, "--batch-max-inflight", "2")
     total = 30
-    items = requests(total, max_tokens=8)
-    for i in (3, 4):
-        items[i] = requests(i + 1, max_tokens=600, ignore_eos=True)[i]
     try:
-        batch_id = create(client_of(victim), items)
+        batch_id = create(client_of(victim), requests(total, max_tokens=16))
         wait_until(victim, batch_id, lambda b: b["request_counts"]["completed"] >= 3)
         survivor = replica(tmp_path, served, "survivor", database, "--batch-max-inflight", "4")
     finally:
@@ -143,15 +140,11 @@ def test_a_replica_killed_mid_batch_leaves_its_lines_to_the_other_with_none_doub
         assert [x["custom_id"] for x in output] == [f"req-{i}" for i in range(total)]
         store = Database(database, tmp_path)
         by_victim = select(func.count()).where(lines.c.done_by.like(f"%:{victim.proc.pid}:%"))
-        long_by_survivor = select(func.count()).where(
-            lines.c.line.in_((3, 4)), lines.c.done_by.like(f"%:{survivor.proc.pid}:%")
-        )
         with store.read() as db:
             victims = int(db.scalar(by_victim) or 0)
-            taken_over = int(db.scalar(long_by_survivor) or 0)
         store.close()
-        assert victims >= 3 and taken_over == 2  # the victim's leases lapsed to the survivor
-        assert completed_lines(survivor) == total - victims  # and nothing ran twice to the end
+        assert victims >= 3
+        assert completed_lines(survivor) == total - victims  # nothing ran twice to the end
     finally:
         stop_serve(survivor)
 
