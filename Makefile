@@ -21,7 +21,7 @@ test: install
 	@scripts/debian-package.sh redis-server
 	@scripts/debian-package.sh $(POSTGRES_SERVER) postgresql
 	@scripts/debian-package.sh wrk
-	$(PYTEST) $(PYTEST_ARGS)
+	$(PYTEST) --durations=30 $(PYTEST_ARGS)
 
 test-fast: install
 	@scripts/debian-package.sh redis-server

@@ -7,26 +7,20 @@
   ``[DONE]`` and its full token count: none refused, none cut, none hung.
   Reports how many completed, the time to first token and to the last
   stream's end, and the gateway's peak RSS and open file descriptors.
-* ``soak``: ``--soak-users`` closed-loop clients (half streaming, half not)
-  for ``--soak-duration`` seconds (30 minutes). Every ``--sample-every``
-  seconds it records the RSS and open file descriptors of the gateway and of
-  the worker processes; reports start and end figures and the RSS slope
-  (least squares over the second half, when start-up allocations are done),
-  and the request outcomes.
+* ``soak``: hours of mixed load, memory sampled: ``loadtest.soak``, which
+  uses the process sampling here.
 
-Both write ``summary.json`` (and the soak ``samples.csv``) into the run's
-results directory. The load is on loopback, bounded in count and time.
+Both write ``summary.json`` into the run's results directory. The load is on
+loopback, bounded in count and time.
 """
 
 from __future__ import annotations
 
 import asyncio
-import csv
 import json
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import httpx
 import psutil
@@ -207,88 +201,6 @@ async def connections(
         "all_done_s": round(wall, 1),
         "longest_stream_s": round(max(r.seconds for r in results), 1),
     }
-
-
-@dataclass
-class SoakCounts:
-    ok: int = 0
-    failed: Counter[str] = field(default_factory=Counter)
-
-
-async def soak(
-    url: str,
-    model: str,
-    users: int,
-    duration: float,
-    every: float,
-    server_pid: int | None,
-    run_dir: Path,
-) -> dict[str, object]:
-    """Steady closed-loop load for ``duration`` s, sampling memory and descriptors."""
-    roles = server_processes(server_pid)
-    counts = SoakCounts()
-    samples: list[ProcessSample] = []
-    started = time.monotonic()
-    stop_at = started + duration
-
-    async def user(client: httpx.AsyncClient, i: int) -> None:
-        n = 0
-        while time.monotonic() < stop_at:
-            n += 1
-            body = {"model": model, "prompt": f"User {i} turn {n}:", "max_tokens": 16}
-            try:
-                if i % 2:
-                    result = await one_stream(client, model, 16, i * 100_000 + n, [0])
-                    ok = result.done and result.error is None
-                    reason = result.error or f"status {result.status}"
-                else:
-                    response = await client.post("/v1/completions", json=body)
-                    ok = response.status_code == 200
-                    reason = f"status {response.status_code}"
-            except httpx.HTTPError as exc:
-                ok, reason = False, type(exc).__name__
-            if ok:
-                counts.ok += 1
-            else:
-                counts.failed[reason[:80]] += 1
-
-    async def sampler() -> None:
-        while True:
-            samples.extend(sample(roles, round(time.monotonic() - started, 1)))
-            await asyncio.sleep(every)
-
-    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-        watcher = asyncio.ensure_future(sampler())
-        await asyncio.gather(*(user(client, i) for i in range(users)))
-        watcher.cancel()
-        samples.extend(sample(roles, round(time.monotonic() - started, 1)))
-    with (run_dir / "soak_samples.csv").open("w", newline="") as out:
-        writer = csv.DictWriter(out, fieldnames=list(asdict(samples[0]).keys()) if samples else [])
-        writer.writeheader()
-        writer.writerows(asdict(s) for s in samples)
-    times = sorted({s.at_s for s in samples})
-    report: dict[str, object] = {
-        "scenario": "soak",
-        "users": users,
-        "duration_s": duration,
-        "requests_ok": counts.ok,
-        "requests_failed": dict(counts.failed),
-        "samples": len(times),
-    }
-    for role in ("gateway", "worker"):
-        if not times:
-            break
-        first, last = total(samples, role, times[0]), total(samples, role, times[-1])
-        half = [(t, total(samples, role, t)[0]) for t in times if t >= times[-1] / 2]
-        slope = slope_mb_per_hour(half)
-        report[role] = {
-            "rss_mb_start": round(first[0], 1),
-            "rss_mb_end": round(last[0], 1),
-            "rss_slope_mb_per_hour_second_half": round(slope, 2) if slope is not None else None,
-            "fds_start": first[1],
-            "fds_end": last[1],
-        }
-    return report
 
 
 def format_report(report: dict[str, object]) -> str:

@@ -10,10 +10,12 @@ Scenarios (``--scenario``, default ``all``, run one after the other):
   time to first token (TTFT) and inter-token latency (ITL) from the SSE stream.
 * ``sweep``: the seed request at ``--sweep-users`` (24, 64, 128, 256) users,
   ``--step-duration`` seconds each.
-* ``connections`` and ``soak`` (not part of ``all``; ``loadtest.capacity``):
-  ``--connections`` (1,000) streams held at once, and ``--soak-duration``
-  (30 min) of steady load with the server's memory and file descriptors
-  sampled.
+* ``connections`` and ``soak`` (not part of ``all``; ``loadtest.capacity``,
+  ``loadtest.soak``): ``--connections`` (1,000) streams held at once, and
+  ``--soak-duration`` or ``--duration`` (30 min) of steady mixed load (whole
+  and streamed chats and completions, clients leaving mid-stream, a key over
+  its limit) with each server process's memory and file descriptors sampled;
+  ``--soak-beside-vllm`` loads a ``vllm serve`` beside it the same way.
 * ``spillover`` (not part of ``all``; ``loadtest.spillover``): bursts beyond
   the tier-1 pool's slots of the two-pools example (docs/models.md), with spill-over
   on and off; latency p50/p99 and which pool answered.
@@ -83,6 +85,8 @@ BATCH = "batch"
 TENANTS = "tenants"
 # Seconds past a run's planned end before its Locust process counts as hung.
 LOCUST_GRACE_S = 120.0
+# Measured seconds of seed and chat-stream when --duration is not given.
+DEFAULT_DURATION = 60.0
 
 
 def _ms(value: float | None) -> str:
@@ -171,14 +175,19 @@ def run_web(args: argparse.Namespace, url: str, run_dir: Path) -> None:
 
 
 def run_capacity(args: argparse.Namespace, run_dir: Path, started: datetime) -> int:
-    """The ``connections`` or ``soak`` scenario (``loadtest.capacity``); summary.json."""
-    from loadtest import capacity
+    """The ``connections`` or ``soak`` scenario (``loadtest.capacity``, ``loadtest.soak``)."""
+    from loadtest import capacity, soak
 
     if args.scenario == "connections" and not args.url:
         # Queued streams wait for a slot instead of timing out after 30 s.
         os.environ["LLMGATE_QUEUE_TIMEOUT"] = str(capacity.CONNECTIONS_QUEUE_TIMEOUT_S)
+    keyed = args.scenario == "soak" and not args.url
+    if keyed:
+        # The users' key and the limited one (some 429s), for the gateway started here.
+        os.environ["LLMGATE_API_KEYS_FILE"] = str(soak.keys_file(run_dir))
     try:
-        with target(args, run_dir) as url:
+        with contextlib.ExitStack() as stack:
+            url = stack.enter_context(target(args, run_dir))
             model = args.model or procs.served_model(url)
             pid = capacity.server_pid_of(url)
             if args.scenario == "connections":
@@ -187,16 +196,28 @@ def run_capacity(args: argparse.Namespace, run_dir: Path, started: datetime) -> 
                     capacity.connections(url, model, args.connections, args.connection_tokens, pid)
                 )
             else:
-                print(f"[soak] {args.soak_users} users for {args.soak_duration:g}s", flush=True)
+                beside = beside_pid = None
+                if args.soak_beside_vllm:
+                    engine = targets.Engine(args.enforce_eager, args.startup_timeout)
+                    beside = stack.enter_context(targets.serving("vllm-direct", engine, run_dir))
+                    beside_pid = soak.vllm_pid_of(beside)
+                print(
+                    f"[soak] {args.soak_users} users for {args.soak_duration:g}s"
+                    + (" on llmgate and on vllm serve beside it" * bool(beside)),
+                    flush=True,
+                )
                 report = asyncio.run(
-                    capacity.soak(
+                    soak.soak(
                         url,
                         model,
                         args.soak_users,
                         args.soak_duration,
                         args.sample_every,
-                        pid,
                         run_dir,
+                        server_pid=pid,
+                        keyed=keyed,
+                        beside=beside,
+                        beside_pid=beside_pid,
                     )
                 )
     except KeyboardInterrupt:
@@ -239,7 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--web", action="store_true", help="open Locust's web UI instead of the headless runs")
     add("--web-port", type=int, default=8089, help="port of the web UI")
     add("--enforce-eager", action="store_true", help="start llmgate eager (no compile)")
-    add("--duration", type=float, default=60.0, help="measured seconds of seed and chat-stream")
+    add(
+        "--duration",
+        type=float,
+        default=None,
+        help="measured seconds of seed and chat-stream (60); for soak: --soak-duration",
+    )
     add("--step-duration", type=float, default=60.0, help="measured seconds per sweep step")
     add("--warmup", type=float, default=20.0, help="seconds not counted at the start of each run")
     add("--seed-users", type=int, default=40, help="users of the seed scenario")
@@ -254,6 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--soak-users", type=int, default=16, help="closed-loop users (soak)")
     add("--soak-duration", type=float, default=1800.0, help="seconds of load (soak)")
     add("--sample-every", type=float, default=10.0, help="seconds between samples (soak)")
+    add(
+        "--soak-beside-vllm",
+        action="store_true",
+        help="soak: the same users on a vllm serve of the same model beside it",
+    )
     add("--bursts", type=int, default=3, help="bursts per mode (spillover)")
     add("--burst", type=int, default=24, help="requests sent at once per burst (spillover)")
     add("--burst-tokens", type=int, default=64, help="max_tokens of each (spillover)")
@@ -285,8 +316,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def resolve_durations(args: argparse.Namespace) -> argparse.Namespace:
+    """``--duration`` is the soak's length under ``--scenario soak`` (as
+    ``--soak-duration``), else the seed and chat-stream runs' (60 s unless given)."""
+    if args.duration is not None and args.scenario == "soak":
+        args.soak_duration = args.duration
+    if args.duration is None:
+        args.duration = DEFAULT_DURATION
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = resolve_durations(build_parser().parse_args(argv))
     if args.duration <= 0 or args.step_duration <= 0 or args.warmup < 0:
         raise SystemExit("--duration and --step-duration must be > 0, --warmup >= 0")
     if min(args.seed_users, args.chat_users) < 1:

@@ -15,7 +15,7 @@ from loadtest.plot import plot_sweep, sweep_points
 
 
 def args(*argv: str) -> argparse.Namespace:
-    return loadtest.build_parser().parse_args(list(argv))
+    return loadtest.resolve_durations(loadtest.build_parser().parse_args(list(argv)))
 
 
 def test_all_scenarios_run_in_order_with_the_issues_user_counts() -> None:
