@@ -188,7 +188,7 @@ def run_capacity(args: argparse.Namespace, run_dir: Path, started: datetime) -> 
     try:
         with contextlib.ExitStack() as stack:
             url = stack.enter_context(target(args, run_dir))
-            model = args.model or procs.served_model(url)
+            model = args.model or procs.served_model(url, soak.USERS_KEY if keyed else None)
             pid = capacity.server_pid_of(url)
             if args.scenario == "connections":
                 print(f"[connections] {args.connections} streams at once", flush=True)

@@ -132,9 +132,10 @@ def await_ready(
     print(f"[{name}] ready (waited {time.monotonic() - started:.0f}s)", flush=True)
 
 
-def served_model(url: str) -> str:
-    """The first model the server at ``url`` lists."""
-    response = httpx.get(url + "/v1/models", timeout=30)
+def served_model(url: str, api_key: str | None = None) -> str:
+    """The first model the server at ``url`` lists (asked with ``api_key``, if given)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    response = httpx.get(url + "/v1/models", timeout=30, headers=headers)
     response.raise_for_status()
     return str(response.json()["data"][0]["id"])
 
