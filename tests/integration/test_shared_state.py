@@ -14,7 +14,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from sqlalchemy import func, select
 from gateway.state.db import Database
 from gateway.state.schema import MIGRATIONS, lines
 from shared.ports import free_port
+from tests.at_once import at_once, raised
 from tests.conftest import MODEL, ROOT, Served, gateway_pair, start_gateway, stop_serve
 from tests.integration.postgres_server import PostgresServer
 from tests.integration.test_batches import (
@@ -152,22 +152,10 @@ def test_a_replica_killed_mid_batch_leaves_its_lines_to_the_other_with_none_doub
 def test_replicas_starting_at_once_on_an_empty_database_migrate_it_once(
     served: Served, tmp_path: Path, database: str
 ) -> None:
-    started: list[Served] = []
-    failures: list[BaseException] = []
-
-    def start(name: str) -> None:
-        try:
-            started.append(replica(tmp_path, served, name, database))
-        except BaseException as exc:  # surfaced below
-            failures.append(exc)
-
-    threads = [threading.Thread(target=start, args=(f"r{i}",)) for i in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    results = at_once(3, lambda i: replica(tmp_path, served, f"r{i}", database))
+    started = [r for r in results if isinstance(r, Served)]
     try:
-        assert not failures and len(started) == 3
+        assert not raised(results), results
         applied = [g.log_path.read_text().count("applied migration") for g in started]
         assert sorted(applied) == [0, 0, len(MIGRATIONS)], applied
     finally:

@@ -4,7 +4,6 @@ replicas share a job's lines, each committed once; ending a job, again if need b
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from gateway.state.batches import STATUSES, Batches, Ending, output_line
 from gateway.state.db import Database
 from gateway.state.files import Files
 from gateway.state.schema import lines as lines_table
+from tests.at_once import at_once, raised
 
 CHAT = "/v1/chat/completions"
 
@@ -134,24 +134,16 @@ def test_a_renewed_lease_outlives_its_first_deadline(store: Batches, database: D
 def test_claims_at_once_never_take_a_line_twice(database: Database) -> None:
     store = batches_on(database)
     running(store, 200)
-    taken: dict[str, list[int]] = {}
-    errors: list[BaseException] = []
 
-    def claimer(owner: str) -> None:
-        mine = taken.setdefault(owner, [])
-        try:
-            while claimed := batches_on(database).lines.claim(owner, 7, 30):
-                mine += [c.line.index for c in claimed]
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
+    def claim_all(replica: int) -> list[int]:
+        mine: list[int] = []
+        while claimed := batches_on(database).lines.claim(f"r{replica}", 7, 30):
+            mine += [c.line.index for c in claimed]
+        return mine
 
-    threads = [threading.Thread(target=claimer, args=(f"r{i}",)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors
-    every = sorted(i for mine in taken.values() for i in mine)
+    results = at_once(4, claim_all)
+    assert not raised(results), results
+    every = sorted(i for mine in results if isinstance(mine, list) for i in mine)
     assert every == list(range(200))
 
 

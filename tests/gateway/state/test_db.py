@@ -3,7 +3,6 @@ at once, a store that does not answer, and a --state-db that cannot be used."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
@@ -11,32 +10,18 @@ from sqlalchemy import select
 
 from gateway.state.db import Database, Unavailable
 from gateway.state.schema import MIGRATIONS, migrations_table
+from tests.at_once import at_once, raised
 from tests.integration.postgres_server import PostgresServer
 
 
 def migrate_at_once(url: str, directory: Path, replicas: int) -> list[list[str]]:
     """``replicas`` databases on one store, migrating at the same moment."""
     databases = [Database(url, directory) for _ in range(replicas)]
-    start = threading.Barrier(replicas)
-    applied: list[list[str]] = [[] for _ in databases]
-    failures: list[BaseException] = []
-
-    def migrate(i: int) -> None:
-        start.wait()
-        try:
-            applied[i] = databases[i].migrate()
-        except BaseException as exc:  # surfaced below
-            failures.append(exc)
-
-    threads = [threading.Thread(target=migrate, args=(i,)) for i in range(replicas)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    results = at_once(replicas, lambda i: databases[i].migrate())
     for database in databases:
         database.close()
-    assert not failures
-    return applied
+    assert not raised(results), results
+    return [r for r in results if isinstance(r, list)]
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])

@@ -3,8 +3,6 @@ on both backends; filters; a batch's usage from its answers."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
 from datetime import date
 
 import msgspec
@@ -12,6 +10,7 @@ import msgspec
 from gateway.state.batches import output_line
 from gateway.state.db import Database
 from gateway.state.usage import Counts, Usage, batch_usage
+from tests.at_once import at_once
 
 DAY = "2025-06-01"
 
@@ -26,23 +25,6 @@ def totals(usage: Usage) -> dict[tuple[str, str, str], tuple[int, int, int, int]
         )
         for row in usage.rows(None, None, None, None)
     }
-
-
-def at_once(count: int, run: Callable[[int], object]) -> list[object]:
-    """``run(i)`` for i in range(count), in threads that start together."""
-    start = threading.Barrier(count)
-    results: list[object] = [None] * count
-
-    def go(i: int) -> None:
-        start.wait()
-        results[i] = run(i)
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return results
 
 
 def test_flushes_add_to_the_rows(database: Database) -> None:
