@@ -272,15 +272,21 @@ class Runner:
             self._wake.set()
 
     async def _outcome(self, job: Job, line: Line, cache: bool) -> tuple[int, str, Any] | None:
-        """The line's answer, tried again while the gateway is busy (429, 503);
-        None if the job was cancelled or its window ended first."""
+        """The line's answer, tried again while the gateway is busy (429, 503,
+        but not a 429 that waiting cannot help); None if the job was cancelled
+        or its window ended first."""
         attempt = 0
         while True:
             if job.cancelled.is_set() or time.time() >= job.expires_at:
                 return None
             outcome = await self._call(job, line, cache)
-            if outcome is None or outcome[0] not in RETRIED_STATUSES:
-                return outcome
+            if outcome is None:
+                return None
+            status, request_id, body, waiting_helps = outcome
+            if status not in RETRIED_STATUSES or (status == 429 and not waiting_helps):
+                # Its answer (a 429 without Retry-After: the line alone is over
+                # its key's tokens a minute, refused for as long as it is tried).
+                return status, request_id, body
             pause = RETRY_PAUSES[min(attempt, len(RETRY_PAUSES) - 1)]
             attempt += 1
             if time.time() + pause >= job.expires_at:
@@ -289,18 +295,20 @@ class Runner:
                 "batch %s line %d: %d, trying again in %.0fs",
                 job.batch_id,
                 line.index,
-                outcome[0],
+                status,
                 pause,
             )
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(pause):
                     await job.cancelled.wait()
 
-    async def _call(self, job: Job, line: Line, cache: bool) -> tuple[int, str, Any] | None:
-        """The line as a request to the gateway's app: (status, request id, body),
-        or None if the job was cancelled first."""
+    async def _call(self, job: Job, line: Line, cache: bool) -> tuple[int, str, Any, bool] | None:
+        """The line as a request to the gateway's app: (status, request id, body,
+        whether the answer said when to try again), or None if the job was
+        cancelled first."""
         if line.url not in ENDPOINTS:
-            return 400, "", errors.BadRequest(f"No batch endpoint {line.url}.", "url").body()
+            refused = errors.BadRequest(f"No batch endpoint {line.url}.", "url")
+            return 400, "", refused.body(), False
         request_id = f"{job.batch_id}-{line.index}"
         key = None
         if job.owner is not None and self.keys is not None and len(self.keys):
@@ -309,7 +317,7 @@ class Runner:
                 revoked = errors.Unauthorized(
                     f"The API key {job.owner!r} that created this batch was revoked."
                 )
-                return revoked.status, request_id, revoked.body()
+                return revoked.status, request_id, revoked.body(), False
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(line.body)).encode()),
@@ -338,6 +346,7 @@ class Runner:
             scope[SCOPE_KEY] = key
         sent_body = False
         status = 0
+        retry_after = False
         chunks: list[bytes] = []
 
         async def receive() -> Message:
@@ -351,9 +360,10 @@ class Runner:
             return {"type": "http.disconnect"}
 
         async def send(message: Message) -> None:
-            nonlocal status
+            nonlocal status, retry_after
             if message["type"] == "http.response.start":
                 status = message["status"]
+                retry_after = any(k.lower() == b"retry-after" for k, _ in message["headers"])
             elif message["type"] == "http.response.body":
                 chunks.append(message.get("body", b""))
 
@@ -365,7 +375,7 @@ class Runner:
             body = msgspec.json.decode(raw) if raw else None
         except msgspec.DecodeError:
             body = raw.decode(errors="replace")
-        return status, request_id, body
+        return status, request_id, body, retry_after
 
     # -- ending a job -----------------------------------------------------------------
 

@@ -25,9 +25,15 @@ from shared.settings import GatewaySettings
 CHAT = "/v1/chat/completions"
 
 
+# A 429 without Retry-After, as a line alone over its key's tokens a minute gets.
+TOO_LARGE = -429
+
+
 class App:
     """Answers each request with ``statuses`` in turn (then 200), or holds it until
-    its client leaves when ``hold`` is set; records every scope."""
+    its client leaves when ``hold`` is set; records every scope. A 429 or 503
+    says when to try again (``Retry-After``), as the gateway's do; ``TOO_LARGE``
+    is a 429 without it."""
 
     def __init__(self, statuses: list[int] | None = None, hold: bool = False) -> None:
         self.statuses = statuses or []
@@ -43,7 +49,9 @@ class App:
             assert (await receive())["type"] == "http.disconnect"
             return  # as the gateway does for a client that left
         status = self.statuses.pop(0) if self.statuses else 200
-        await send({"type": "http.response.start", "status": status, "headers": []})
+        headers = [(b"retry-after", b"1")] if status in (429, 503) else []
+        status = abs(status)
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send(
             {"type": "http.response.body", "body": json.dumps({"echo": json.loads(body)}).encode()}
         )
@@ -100,6 +108,19 @@ async def test_each_line_is_a_low_priority_request_and_a_429_is_tried_again(
     assert [x["response"]["body"]["echo"]["n"] for x in output] == [
         i for i in range(3) if i != error["response"]["body"]["echo"]["n"]
     ]
+
+
+async def test_a_line_too_large_for_its_keys_limit_fails_at_once(tmp_path: Path) -> None:
+    """A 429 without Retry-After (waiting cannot help) is the line's answer, not retried."""
+    app = App(statuses=[TOO_LARGE])
+    batch_runner, store, batch_id = await make(tmp_path, app, 1)
+    batch_runner.start()
+    batch = await finished(store, batch_id)
+    await batch_runner.stop()
+    assert batch["request_counts"] == {"total": 1, "completed": 0, "failed": 1}
+    assert len(app.scopes) == 1
+    [error] = content(store, batch["error_file_id"])
+    assert error["response"]["status_code"] == 429
 
 
 async def test_a_precompute_batch_lets_the_cache_work(tmp_path: Path) -> None:
