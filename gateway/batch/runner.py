@@ -111,6 +111,8 @@ class Runner:
         self.jobs: dict[str, Job] = {}
         self.in_flight = 0
         self._lines: set[asyncio.Task[None]] = set()
+        # The lines those tasks run, (batch id, line): the leases renewed.
+        self._running: set[tuple[str, int]] = set()
         self._wake = asyncio.Event()
         self._surveyed = 0.0
         self._renewed = 0.0
@@ -190,7 +192,8 @@ class Runner:
             await self._survey()
         if self._lines and now - self._renewed >= RENEW_SECONDS:
             self._renewed = now
-            await asyncio.to_thread(self.batches.lines.renew, self.owner, LEASE_SECONDS)
+            running = list(self._running)
+            await asyncio.to_thread(self.batches.lines.renew, self.owner, LEASE_SECONDS, running)
         room = self.cap() - self.in_flight
         if room <= 0:
             return
@@ -227,6 +230,7 @@ class Runner:
             )
         job.running += 1
         self.in_flight += 1
+        self._running.add((claimed.batch_id, claimed.line.index))
         task = asyncio.create_task(self._line(job, claimed))
         self._lines.add(task)
         task.add_done_callback(self._lines.discard)
@@ -251,8 +255,8 @@ class Runner:
                 metrics.child(metrics.BATCH_LINES, "failed" if failed else "completed").inc()
             else:
                 log.warning(
-                    "batch %s line %d: its lease lapsed before its result was committed; "
-                    "it runs again (or already did) elsewhere",
+                    "batch %s line %d: its lease lapsed and another replica took the line "
+                    "over before its result was committed; that replica's answer counts",
                     job.batch_id,
                     line.index,
                 )
@@ -265,6 +269,7 @@ class Runner:
                 exc,
             )
         finally:
+            self._running.discard((job.batch_id, line.index))
             self.in_flight -= 1
             job.running -= 1
             if job.running == 0:

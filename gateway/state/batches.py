@@ -29,6 +29,8 @@ from gateway.state.usage import batch_usage
 
 # A job the runners still have to take further.
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+# Running, or being ended: a job whose end is still to be written.
+_UNENDED = ("in_progress", "finalizing", "cancelling")
 STATUSES = (
     "validating",
     "failed",
@@ -210,7 +212,7 @@ class Batches:
         query = select(
             batches.c.id, batches.c.status, batches.c.expires_at, pending, running
         ).where(
-            batches.c.status.in_(("in_progress", "finalizing", "cancelling")),
+            batches.c.status.in_(_UNENDED),
             or_(batches.c.lease_until.is_(None), batches.c.lease_until < now),
         )
         out = []
@@ -225,7 +227,9 @@ class Batches:
         return out
 
     def take(self, batch_id: str, owner: str, lease: float) -> bool:
-        """The lease on ending a job, if no live one is held; whether this replica has it."""
+        """The lease on ending a job not ended yet, if no live one is held; whether
+        this replica has it. (A replica that listed the job as ending before
+        another ended it finds it ended: it is not ended twice.)"""
         now = time.time()
         with self.db.write() as db:
             return (
@@ -233,6 +237,7 @@ class Batches:
                     update(batches)
                     .where(
                         batches.c.id == batch_id,
+                        batches.c.status.in_(_UNENDED),
                         or_(batches.c.lease_until.is_(None), batches.c.lease_until < now),
                     )
                     .values(lease_owner=owner, lease_until=now + lease)

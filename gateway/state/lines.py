@@ -15,6 +15,7 @@ take turns. Lease times are the replicas' clocks (keep them in NTP sync).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,12 +100,25 @@ class Lines:
                 ]
             return claimed
 
-    def renew(self, owner: str, lease: float) -> int:
-        """Extend every lease ``owner`` holds on a pending line; how many."""
+    def renew(self, owner: str, lease: float, running: Iterable[tuple[str, int]]) -> int:
+        """Extend ``owner``'s leases on the pending lines it still runs (batch id,
+        line); how many. Only those: a line it gave up on without being able to
+        say so (the store was down) lapses to another replica."""
+        by_batch: dict[str, list[int]] = {}
+        for batch_id, index in running:
+            by_batch.setdefault(batch_id, []).append(index)
+        if not by_batch:
+            return 0
+        which = or_(
+            *(
+                and_(lines.c.batch_id == batch_id, lines.c.line.in_(indices))
+                for batch_id, indices in by_batch.items()
+            )
+        )
         with self.db.write() as db:
             return db.execute(
                 update(lines)
-                .where(lines.c.lease_owner == owner, lines.c.state == "pending")
+                .where(lines.c.lease_owner == owner, lines.c.state == "pending", which)
                 .values(lease_until=time.time() + lease)
             ).rowcount
 
@@ -129,17 +143,15 @@ class Lines:
     def finish_line(
         self, owner: str, batch_id: str, index: int, failed: bool, result: dict[str, Any]
     ) -> bool:
-        """Commit a line's result, if ``owner``'s lease on it is still live: from
-        now on it is done, whatever happens to any gateway. Whether it was."""
+        """Commit a line's result, if ``owner`` still holds it: from now on it is
+        done, whatever happens to any gateway. Whether it was. A lease that
+        lapsed with no other replica taking the line still holds it: the answer
+        is kept rather than run again; once another took it, it is the other's."""
         with self.db.write() as db:
             return (
                 db.execute(
                     update(lines)
-                    .where(
-                        _held(owner, batch_id, index),
-                        lines.c.state == "pending",
-                        lines.c.lease_until > time.time(),
-                    )
+                    .where(_held(owner, batch_id, index), lines.c.state == "pending")
                     .values(
                         state="failed" if failed else "completed",
                         result=msgspec.json.encode(result),

@@ -120,15 +120,34 @@ def test_replicas_claim_different_lines_and_a_dead_ones_lapse_to_the_others(
     assert [json.loads(x)["response"]["body"]["ok"] for x in output] == [f"c{i}" for i in range(6)]
 
 
+def test_an_answer_after_a_lapse_nobody_took_over_is_kept(
+    store: Batches, database: Database
+) -> None:
+    batch_id = running(store, 1)
+    [claimed] = store.lines.claim("a", 1, 30)
+    lapse(database, "a")  # a stalled past its lease; no other replica claimed the line
+    assert store.lines.finish_line("a", batch_id, claimed.line.index, False, ok("c0"))
+    assert store.lines.claim("b", 1, 30) == []  # done: it does not run again
+
+
 def test_a_renewed_lease_outlives_its_first_deadline(store: Batches, database: Database) -> None:
     batch_id = running(store, 1)
     [claimed] = store.lines.claim("a", 1, 30)
     with database.write() as db:  # the first deadline is as good as past
         db.execute(update(lines_table).values(lease_until=1))
-    assert store.lines.renew("a", 30) == 1
+    assert store.lines.renew("a", 30, [(batch_id, claimed.line.index)]) == 1
     assert store.lines.claim("b", 1, 30) == []
     assert store.lines.finish_line("a", batch_id, claimed.line.index, False, ok("c0"))
-    assert store.lines.renew("a", 30) == 0  # nothing pending is held any more
+    assert store.lines.renew("a", 30, [(batch_id, claimed.line.index)]) == 0  # done
+
+
+def test_only_the_lines_still_running_are_renewed(store: Batches, database: Database) -> None:
+    batch_id = running(store, 2)
+    still, given_up = store.lines.claim("a", 2, 30)
+    lapse(database, "a")
+    # a gave up on line 1 while the store was down: it lapses to another replica.
+    assert store.lines.renew("a", 30, [(batch_id, still.line.index)]) == 1
+    assert [c.line.index for c in store.lines.claim("b", 2, 30)] == [given_up.line.index]
 
 
 def test_claims_at_once_never_take_a_line_twice(database: Database) -> None:
@@ -152,6 +171,18 @@ def test_only_one_replica_takes_the_lease_on_ending_a_job(store: Batches) -> Non
     assert store.take(batch_id, "a", 30)
     assert not store.take(batch_id, "b", 30)
     assert store.ending() == []  # being ended by a
+
+
+def test_a_job_ended_by_one_replica_is_not_taken_by_another_that_listed_it(
+    store: Batches,
+) -> None:
+    batch_id = running(store, 1)
+    [claimed] = store.lines.claim("a", 1, 30)
+    assert store.lines.finish_line("a", batch_id, claimed.line.index, False, ok("c0"))
+    assert [e.batch_id for e in store.ending()] == [batch_id]  # b lists it too
+    assert store.take(batch_id, "a", 30)
+    store.finalize(batch_id, "completed", "", "")
+    assert not store.take(batch_id, "b", 30)  # b finds it ended
 
 
 def test_a_job_past_its_window_expires_once_nothing_runs(
