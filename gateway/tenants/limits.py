@@ -19,9 +19,9 @@ it may generate: ``max_tokens`` (``max_completion_tokens``,
 ``max_output_tokens``) per choice, or the rest of the model's context (as
 its workers report it) when it sets none. When the request ends the
 reservation is settled to the worker's count (prompt + completion tokens);
-a request refused before it ran (any error status) gives its tokens back,
+a request refused before it ran (an error status) gives its tokens back,
 and so does a cache hit, which costs no GPU time. A stream cut before its
-usage came keeps its reservation.
+usage came, and a request whose client left (499), keep their reservation.
 
 Where the counts live: in this process (``MemoryLimits``, the default), or
 in Redis with ``--limits redis://HOST:PORT/DB`` (``RedisLimits``: every
@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 
 GRANT_KEY = "llmgate.limits"
 HEADERS_KEY = "llmgate.limit_headers"
+# The status the gateway logs for a request whose client left before its answer.
+CLIENT_LEFT = 499
 # Seconds between attempts to reach a Redis that did not answer.
 RETRY_SECONDS = 5.0
 
@@ -179,8 +181,10 @@ class Grant:
         """Give the slot back and settle the tokens; ``status``: the response's
         (None: it never started)."""
         tokens = self.tokens
-        if tokens is None and (status is None or status >= 400):
+        if tokens is None and (status is None or status >= 400) and status != CLIENT_LEFT:
             tokens = 0  # it never ran: nothing to pay for
+        # A client that left (499) keeps its reservation: the engine may have
+        # done the work, and a client timing out must not make it free.
         delta = 0 if tokens is None else tokens - self.cost
         self.limiter.finish(self, delta)
 

@@ -331,6 +331,17 @@ async def test_the_slot_comes_back_and_tokens_settle_however_the_request_ends(
         assert headers[b"x-ratelimit-remaining-tokens"] == b"950"
 
 
+async def test_an_error_refunds_but_a_client_that_left_pays_its_reservation() -> None:
+    limiter = Limiter()
+    entry = key(tokens_per_minute=100)
+    await end(limiter, await take(limiter, entry, 60), status=503)  # never ran: given back
+    left = await take(limiter, entry, 60)
+    assert left[HEADERS_KEY]["x-ratelimit-remaining-tokens"] == "40"
+    await end(limiter, left, status=499)  # the engine may have run it: kept
+    error = await refused(limiter, entry, 60)
+    assert "on tokens per min (TPM)" in error.message
+
+
 async def test_a_cache_hit_costs_no_tokens() -> None:
     limiter = Limiter()
     entry = key(tokens_per_minute=100)
