@@ -44,6 +44,9 @@ def parse(data: bytes) -> list[Line]:
         custom_id = item.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id:
             raise _bad(number, "`custom_id` must be a non-empty string")
+        if "\x00" in custom_id:
+            # PostgreSQL's text cannot hold it: refused here, on every store alike.
+            raise _bad(number, "`custom_id` must not contain a NUL character")
         if custom_id in seen:
             raise _bad(
                 number,

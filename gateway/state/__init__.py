@@ -102,6 +102,10 @@ class State:
                     )
             except Unavailable as exc:
                 log.warning("state store: could not delete what expired (%s)", exc)
+            except Exception:
+                # Any other error of the store (e.g. a read-only standby after a
+                # failover): said, and tried again; the reaper must not die of it.
+                log.exception("state store: deleting what expired failed")
             await asyncio.sleep(REAP_SECONDS)
 
     def start(self) -> None:

@@ -19,6 +19,9 @@ from sqlalchemy import Connection, Select, delete, func, insert, select
 from gateway.state.db import Database
 from gateway.state.schema import CHUNK_BYTES, file_chunks, files
 
+# Expired files deleted in one transaction.
+EXPIRE_AT_ONCE = 500
+
 
 def new_id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
@@ -104,17 +107,22 @@ class Files:
             return False
 
     def expire(self, now: float | None = None) -> int:
-        """Delete the files past their expiry; how many."""
+        """Delete the files past their expiry, ``EXPIRE_AT_ONCE`` to a transaction
+        (a backlog of any size: no query names more ids than a database takes,
+        and no transaction holds the store for long); how many."""
         now = time.time() if now is None else now
-        with self.db.write() as db:
-            gone = list(
-                db.scalars(
-                    select(files.c.id).where(
-                        files.c.expires_at.is_not(None), files.c.expires_at <= now
-                    )
-                )
-            )
-            return _delete(db, gone) if gone else 0
+        expired = (
+            select(files.c.id)
+            .where(files.c.expires_at.is_not(None), files.c.expires_at <= now)
+            .limit(EXPIRE_AT_ONCE)
+        )
+        deleted = 0
+        while True:
+            with self.db.write() as db:
+                gone = list(db.scalars(expired))
+                deleted += _delete(db, gone) if gone else 0
+            if len(gone) < EXPIRE_AT_ONCE:
+                return deleted
 
     def total_bytes(self) -> int:
         with self.db.read() as db:

@@ -45,6 +45,7 @@ def test_lines_keep_their_order_body_and_id_and_blank_lines_are_skipped() -> Non
         ("not json", "Line 2 of the file"),
         ("[1, 2]", "must be a JSON object"),
         ({**request("x"), "custom_id": ""}, "`custom_id` must be a non-empty string"),
+        ({**request("x"), "custom_id": "a\x00b"}, "must not contain a NUL character"),
         ({**request("x"), "method": "GET"}, "`method` must be POST"),
         ({**request("x"), "url": 3}, "`url` must be a string"),
         ({**request("x"), "body": "text"}, "`body` must be a JSON object"),

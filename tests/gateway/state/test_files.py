@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 
 import openai.types
+import pytest
 
+from gateway.state import files as files_module
 from gateway.state.db import Database
 from gateway.state.files import Files
 from gateway.state.schema import CHUNK_BYTES
@@ -59,6 +61,20 @@ def test_expired_files_are_deleted_with_their_bytes(database: Database) -> None:
     assert files.get(gone["id"]) is None and files.content(gone["id"]) is None
     assert files.get(kept["id"]) is not None and files.get(forever["id"]) is not None
     assert files.total_bytes() == 6
+
+
+def test_a_backlog_of_expired_files_goes_in_transactions_of_a_few_hundred(
+    database: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(files_module, "EXPIRE_AT_ONCE", 3)
+    files = Files(database)
+    now = int(time.time())
+    for i in range(7):
+        files.add(b"x", f"{i}", "batch", expires_at=now)
+    kept = files.add(b"y", "kept", "batch", expires_at=now + 60)
+    assert files.expire(now + 1) == 7
+    page, more = files.page(None, None, 10, ascending=True)
+    assert [f["id"] for f in page] == [kept["id"]] and not more
 
 
 def test_a_key_sees_only_its_own_files_and_no_viewer_sees_all(database: Database) -> None:
