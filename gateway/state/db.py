@@ -62,8 +62,18 @@ class Database:
                 parsed.set(drivername="postgresql+psycopg"),
                 pool_pre_ping=True,
                 pool_size=4,
-                # A store that does not answer fails the call, not the gateway.
-                connect_args={"connect_timeout": 10},
+                # A store that does not answer fails the call, not the gateway:
+                # at connect, and on a link that goes silent mid-call (a network
+                # partition sends no reset), where TCP keepalives and the user
+                # timeout end the call in about 30 s instead of never.
+                connect_args={
+                    "connect_timeout": 10,
+                    "keepalives": 1,
+                    "keepalives_idle": 10,
+                    "keepalives_interval": 5,
+                    "keepalives_count": 3,
+                    "tcp_user_timeout": 30_000,
+                },
             )
         else:
             directory.mkdir(parents=True, exist_ok=True)
