@@ -118,9 +118,16 @@ class RateLimited(Overloaded):
 
     code = "rate_limit_exceeded"
 
-    def __init__(self, message: str, retry_after: int | None) -> None:
+    def __init__(self, message: str, retry_after: int | None, limit: str = "requests") -> None:
         super().__init__(message, retry_after or 1)
         self.waiting_helps = retry_after is not None
+        self.limit = limit
+
+    def body(self) -> dict[str, Any]:
+        body = super().body()
+        # As OpenAI types its own: which limit, "requests" or "tokens".
+        body["error"]["type"] = self.limit
+        return body
 
     def headers(self) -> dict[str, str]:
         return super().headers() if self.waiting_helps else {}

@@ -142,6 +142,7 @@ def refusal(entry: KeyEntry, decision: Decision, cost: int) -> errors.RateLimite
             f"Limit {entry.tokens_per_minute}, Requested {cost}. Reduce the prompt "
             "or max_tokens.",
             None,
+            "tokens",
         )
     wait = math.ceil(decision.retry_after or 1)
     if decision.refused_by == CONCURRENT:
@@ -159,6 +160,7 @@ def refusal(entry: KeyEntry, decision: Decision, cost: int) -> errors.RateLimite
         f"Limit {limit}, Used {limit - remaining}, Requested {requested}. "
         f"Please try again in {duration(decision.retry_after or 0)}.",
         wait,
+        "tokens" if decision.refused_by == "tokens" else "requests",
     )
 
 

@@ -102,6 +102,7 @@ async def test_requests_per_minute(limiter: Limiter) -> None:
     assert "x-ratelimit-limit-tokens" not in remaining[0]
     error = await refused(limiter, entry)
     assert error.status == 429 and error.code == "rate_limit_exceeded"
+    assert error.body()["error"]["type"] == "requests"  # as OpenAI types it
     # One request a 20 s; the first frees 20 s after it was taken.
     waited = int(time.monotonic() - started)
     assert 19 - waited <= int(error.headers()["Retry-After"]) <= 20
@@ -116,6 +117,7 @@ async def test_tokens_per_minute_and_settling(limiter: Limiter) -> None:
     await take(limiter, entry, 40)
     error = await refused(limiter, entry, 40 + earned(100, started))
     assert "on tokens per min (TPM): Limit 100" in error.message
+    assert error.body()["error"]["type"] == "tokens"
     # The first cost 10, not 40: 30 back, and 40 fit again.
     settle(first, protocol.Usage(4, 6))
     await end(limiter, first)
