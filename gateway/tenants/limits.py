@@ -208,6 +208,8 @@ class Limiter:
         self._process = uuid.uuid4().hex[:12]
         self._leases = itertools.count()
         self._held: dict[str, Grant] = {}  # Redis leases this process renews
+        # Leases an unanswered admission may have taken: released when Redis answers.
+        self._orphans: dict[str, tuple[KeyEntry, float]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._renewer: asyncio.Task[None] | None = None
 
@@ -241,6 +243,10 @@ class Limiter:
                 self._redis_answered()
             except (RedisError, OSError) as exc:
                 self._redis_failed("admit", exc)
+                self._orphaned(entry, lease)
+            except asyncio.CancelledError:
+                self._orphaned(entry, lease)  # the client left while Redis answered
+                raise
         shared = decision is not None
         if decision is None:
             decision = self.memory.admit(entry, tokens)
@@ -277,6 +283,26 @@ class Limiter:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _orphaned(self, entry: KeyEntry, lease: str) -> None:
+        """An admission whose answer from Redis never came: its script may have
+        run and taken a slot this process will never release. Released once
+        Redis answers (until the lease would have lapsed anyway), so the key
+        is not held at its max_concurrent by slots nobody uses."""
+        if entry.max_concurrent:
+            self._orphans[lease] = (entry, self.clock() + LEASE_SECONDS)
+
+    async def _release_orphans(self) -> None:
+        assert self.redis is not None
+        for lease, (entry, lapses) in list(self._orphans.items()):
+            if self.clock() >= lapses:
+                del self._orphans[lease]
+                continue
+            try:
+                await self.redis.release(entry, lease)
+            except (RedisError, OSError):
+                return  # still away: tried again at the next renewal
+            del self._orphans[lease]
+
     async def _renew_leases(self) -> None:
         assert self.redis is not None
         while True:
@@ -284,6 +310,8 @@ class Limiter:
             held: dict[str, list[str]] = {}
             for lease, grant in list(self._held.items()):
                 held.setdefault(grant.entry.name, []).append(lease)
+            if self._orphans:
+                await self._release_orphans()
             if not held:
                 continue
             try:

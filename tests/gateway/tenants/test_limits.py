@@ -222,6 +222,39 @@ async def test_a_killed_gateway_holds_its_slots_only_until_its_lease_lapses(
         await other.stop()
 
 
+async def test_a_slot_an_unanswered_admission_took_is_released_once_redis_answers(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(limits_module, "LEASE_SECONDS", 0.6)  # looked at every 0.2 s
+    limiter = Limiter(redis_server.url, timeout=PATIENT)
+    other = Limiter(redis_server.url, timeout=PATIENT)
+    assert limiter.redis is not None
+    admit = limiter.redis.admit
+
+    async def answer_lost(*args: Any) -> Decision:
+        await admit(*args)  # the script ran and took a slot...
+        raise redis.exceptions.TimeoutError("answer lost")  # ...its answer never came
+
+    monkeypatch.setattr(limiter.redis, "admit", answer_lost)
+    await limiter.start()
+    entry = key(max_concurrent=1)
+    try:
+        scope = await take(limiter, entry)
+        assert not scope[GRANT_KEY].shared  # admitted by this process's own counts
+        # The slot Redis holds for it (a 30 s lease) is given back within seconds.
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                await take(other, entry)
+                break
+            except errors.RateLimited:
+                assert time.monotonic() < deadline, "the orphaned slot still held after 20 s"
+                await asyncio.sleep(0.1)
+    finally:
+        await limiter.stop()
+        await other.stop()
+
+
 async def test_leases_of_running_requests_are_renewed(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
