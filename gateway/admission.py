@@ -88,8 +88,8 @@ class _PoolQueue:
         self.depth_gauge = metrics.child(metrics.POOL_QUEUE_DEPTH, label)
         self.in_flight_gauge = metrics.child(metrics.POOL_IN_FLIGHT, label)
 
-    def wake_one(self) -> bool:
-        return self.waiters.wake_one() or self.low_waiters.wake_one()
+    def wake_one(self, usable: Callable[[Collection[str]], bool]) -> bool:
+        return self.waiters.wake_one(usable) or self.low_waiters.wake_one(usable)
 
 
 class Admission:
@@ -211,20 +211,14 @@ class Admission:
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
         ticket = self.fair.ticket()
-        home_queue.waiters.append(waiter, tenant, ticket)
+        home_queue.waiters.append(waiter, tenant, ticket, exclude)
         chosen = None
         spilling = False
         try:
             while True:
                 now = time.monotonic()
-                if not spilling and spill_at is not None and now >= spill_at:
-                    # Waited long enough: a later tier's slot will do too.
-                    spilling = True
-                    chosen = self._spill(tiers, key, exclude)
-                    if chosen is not None:
-                        return chosen
-                    for tier in tiers[1:]:
-                        self.pool(tier).waiters.append(waiter, tenant, ticket)
+                # Woken first: the slot it was woken for is taken before any
+                # spill-over, or that slot would stay free with nobody told.
                 if waiter.done():
                     chosen = self._take(home, key, exclude)
                     if chosen is None and spilling:
@@ -235,10 +229,18 @@ class Admission:
                     # wake-up): wait again, at the front of its key's line.
                     self.fair.refund(tenant)
                     waiter = loop.create_future()
-                    home_queue.waiters.appendleft(waiter, tenant, ticket)
+                    home_queue.waiters.appendleft(waiter, tenant, ticket, exclude)
                     if spilling:
                         for tier in tiers[1:]:
-                            self.pool(tier).waiters.appendleft(waiter, tenant, ticket)
+                            self.pool(tier).waiters.appendleft(waiter, tenant, ticket, exclude)
+                if not spilling and spill_at is not None and now >= spill_at:
+                    # Waited long enough: a later tier's slot will do too.
+                    spilling = True
+                    chosen = self._spill(tiers, key, exclude)
+                    if chosen is not None:
+                        return chosen
+                    for tier in tiers[1:]:
+                        self.pool(tier).waiters.append(waiter, tenant, ticket, exclude)
                 remaining = give_up - now
                 if remaining <= 0:
                     metrics.REJECTED.labels("queue_timeout").inc()
@@ -272,7 +274,7 @@ class Admission:
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
         ticket = self.fair.ticket()
-        queue.low_waiters.append(waiter, tenant, ticket)
+        queue.low_waiters.append(waiter, tenant, ticket, exclude)
         chosen = None
         try:
             while True:
@@ -282,7 +284,7 @@ class Admission:
                         return chosen
                     self.fair.refund(tenant)
                     waiter = loop.create_future()
-                    queue.low_waiters.appendleft(waiter, tenant, ticket)
+                    queue.low_waiters.appendleft(waiter, tenant, ticket, exclude)
                 remaining = deadline - time.time() if deadline else None
                 if remaining is not None and remaining <= 0:
                     metrics.REJECTED.labels("queue_timeout").inc()
@@ -390,10 +392,11 @@ class Admission:
         self.pool(tier).in_flight_gauge.inc()
 
     def wake_pools(self, tiers: Collection[Tier]) -> None:
-        """One queued request of the first of ``tiers`` with any may look for a slot."""
+        """One queued request of the first of ``tiers`` with any that can use a
+        free slot there may look for it."""
         for tier in tiers:
             queue = self._pools.get(tier.label)
-            if queue is not None and queue.wake_one():
+            if queue is not None and queue.wake_one(self._usable(tier)):
                 return
 
     def wake(self) -> None:
@@ -404,5 +407,10 @@ class Admission:
                 self.slots.capacity_of(w) - w.in_flight for w in self.slots.free(queue.tier, ())
             )
             for _ in range(free):
-                if not queue.wake_one():
+                if not queue.wake_one(self._usable(queue.tier)):
                     break
+
+    def _usable(self, tier: Tier) -> Callable[[Collection[str]], bool]:
+        """Whether a waiter that must not use the workers ``exclude`` (a retry)
+        finds a free slot of ``tier``."""
+        return lambda exclude: bool(self.slots.free(tier, exclude))

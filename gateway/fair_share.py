@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+from collections.abc import Callable, Collection
 
 # Tokens a request of a key is expected to cost before any of its key's (or
 # any key's) requests has ended: only the order of the first charges
@@ -43,6 +44,12 @@ DEFAULT_ESTIMATE = 256.0
 _EWMA_WEIGHT = 0.2
 
 Tenant = str | None
+# A waiter: its place in arrival order, its future, the workers it must not use.
+_Entry = tuple[int, "asyncio.Future[None]", Collection[str]]
+
+
+def _any(_exclude: Collection[str]) -> bool:
+    return True
 
 
 class _Account:
@@ -145,45 +152,71 @@ class FairShare:
 
 class FairQueue:
     """The requests waiting for one pool (or its low-priority line), by key: the
-    next is the first of the key with the smallest counter."""
+    next is the first of the key with the smallest counter that can use the
+    free slot."""
 
     __slots__ = ("_lines", "_share")
 
     def __init__(self, share: FairShare) -> None:
         self._share = share
-        # Per key, its waiters in order: (ticket, future). A done future is
-        # skipped (its request was woken by another pool, left, or was woken).
-        self._lines: dict[Tenant, collections.deque[tuple[int, asyncio.Future[None]]]] = {}
+        # Per key, its waiters in order: (ticket, future, workers it must not
+        # use). A done future is skipped (its request was woken by another
+        # pool, left, or was woken).
+        self._lines: dict[Tenant, collections.deque[_Entry]] = {}
 
-    def append(self, waiter: asyncio.Future[None], tenant: Tenant, ticket: int) -> None:
-        self._line(tenant).append((ticket, waiter))
+    def append(
+        self,
+        waiter: asyncio.Future[None],
+        tenant: Tenant,
+        ticket: int,
+        exclude: Collection[str] = (),
+    ) -> None:
+        self._line(tenant).append((ticket, waiter, exclude))
 
-    def appendleft(self, waiter: asyncio.Future[None], tenant: Tenant, ticket: int) -> None:
+    def appendleft(
+        self,
+        waiter: asyncio.Future[None],
+        tenant: Tenant,
+        ticket: int,
+        exclude: Collection[str] = (),
+    ) -> None:
         """Back at the front of its key's line (woken, but the slot went elsewhere)."""
-        self._line(tenant).appendleft((ticket, waiter))
+        self._line(tenant).appendleft((ticket, waiter, exclude))
 
-    def _line(self, tenant: Tenant) -> collections.deque[tuple[int, asyncio.Future[None]]]:
+    def _line(self, tenant: Tenant) -> collections.deque[_Entry]:
         line = self._lines.get(tenant)
         if line is None:
             line = self._lines[tenant] = collections.deque()
         return line
 
-    def wake_one(self) -> bool:
-        """Wake the next waiter, charging its key in advance; False if none waits."""
+    def wake_one(self, usable: Callable[[Collection[str]], bool] = _any) -> bool:
+        """Wake the next waiter that can use a free slot (``usable(exclude)``: a
+        retry must not use the workers it already tried), charging its key in
+        advance; False if none waits that can. Without the check, a waiter
+        that cannot use the slot would be woken for it and go back to the
+        queue, and the slot would stay idle while others wait for it."""
         best: Tenant = None
         best_rank: tuple[float, int] | None = None
+        best_at = 0
         for tenant, line in list(self._lines.items()):
             while line and line[0][1].done():
                 line.popleft()
             if not line:
                 del self._lines[tenant]
                 continue
-            rank = (self._share.counter(tenant), line[0][0])
+            # The first of the key's waiters that can use it (almost always
+            # the first of all: only retries exclude workers).
+            at = next((i for i, (_, w, ex) in enumerate(line) if not w.done() and usable(ex)), None)
+            if at is None:
+                continue
+            rank = (self._share.counter(tenant), line[at][0])
             if best_rank is None or rank < best_rank:
-                best, best_rank = tenant, rank
+                best, best_rank, best_at = tenant, rank, at
         if best_rank is None:
             return False
-        _, waiter = self._lines[best].popleft()
+        line = self._lines[best]
+        _, waiter, _ = line[best_at]
+        del line[best_at]
         self._share.charge(best)
         waiter.set_result(None)
         return True

@@ -160,3 +160,24 @@ async def test_a_worker_coming_up_wakes_as_many_queued_requests_as_it_has_slots(
     assert len(pending) == 1
     for task in pending:
         task.cancel()
+
+
+async def test_a_freed_slot_a_queued_retry_may_not_use_goes_to_the_next_in_line(
+    workers: Workers,
+) -> None:
+    """A retry must not go back to the worker it failed on: a slot freeing there
+    wakes the request behind it instead of leaving the slot idle."""
+    gate = admission(workers)
+    a = add(workers, "a", capacity=1)
+    add(workers, "b", capacity=1)
+    await take(gate)
+    await take(gate)  # both full
+    retry = asyncio.create_task(take(gate, exclude=(a.address,)))
+    await asyncio.sleep(0.01)
+    behind = asyncio.create_task(take(gate))
+    await asyncio.sleep(0.01)
+    assert gate.queued == 2
+    leave(gate, a)  # a frees: the retry, first in line, may not use it
+    assert await asyncio.wait_for(behind, 5) is a
+    assert not retry.done() and gate.queued == 1
+    retry.cancel()
