@@ -85,6 +85,19 @@ async def refused(limiter: Limiter, entry: KeyEntry, cost: int = 0) -> errors.Ra
     return caught.value
 
 
+async def admitted_within(limiter: Limiter, entry: KeyEntry, seconds: float, held: str) -> None:
+    """Until ``limiter`` admits one request of ``entry``; fails after ``seconds``,
+    saying what still held the key's slot."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            await take(limiter, entry)
+            return
+        except errors.RateLimited:
+            assert time.monotonic() < deadline, f"{held} still held after {seconds:g} s"
+            await asyncio.sleep(0.1)
+
+
 async def end(limiter: Limiter, scope: dict[str, Any], status: int | None = 200) -> None:
     scope[GRANT_KEY].end(status)
     await limiter.drain()
@@ -209,14 +222,7 @@ async def test_a_killed_gateway_holds_its_slots_only_until_its_lease_lapses(
     try:
         await take(killed, entry)  # never ended, never renewed: the process died
         await refused(other, entry)
-        deadline = time.monotonic() + 30  # a failure bound, not an expectation
-        while True:
-            try:
-                await take(other, entry)
-                break
-            except errors.RateLimited:
-                assert time.monotonic() < deadline, "the dead lease still held after 30 s"
-                await asyncio.sleep(0.1)
+        await admitted_within(other, entry, 30, "the dead lease")  # a failure bound
     finally:
         await killed.stop()
         await other.stop()
@@ -242,14 +248,7 @@ async def test_a_slot_an_unanswered_admission_took_is_released_once_redis_answer
         scope = await take(limiter, entry)
         assert not scope[GRANT_KEY].shared  # admitted by this process's own counts
         # The slot Redis holds for it (a 30 s lease) is given back within seconds.
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                await take(other, entry)
-                break
-            except errors.RateLimited:
-                assert time.monotonic() < deadline, "the orphaned slot still held after 20 s"
-                await asyncio.sleep(0.1)
+        await admitted_within(other, entry, 20, "the orphaned slot")
     finally:
         await limiter.stop()
         await other.stop()
