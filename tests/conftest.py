@@ -28,7 +28,10 @@ from tests.integration.redis_server import RedisServer
 from tests.stall_watch import LoopWatch, StallWatch, report, watched_policy
 
 MODEL = "smollm2-135m-instruct"
-STARTUP_TIMEOUT = 300.0
+# A failure bound, not an expectation: a CPU engine is ready in 30-60 s on an
+# idle machine, and took over 300 s on one running four other engines (a
+# process that exits is reported at once, whatever this is).
+STARTUP_TIMEOUT = 900.0
 ROOT = Path(__file__).resolve().parent.parent
 
 
