@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from shared.ports import free_port, free_port_range
-from tests.conftest import MODEL, ROOT, start_serve, stop_serve
+from tests.conftest import MODEL, ROOT, STARTUP_TIMEOUT, start_serve, stop_serve
 from tests.integration.test_cpu_layout import vllm_binding
 
 pytestmark = pytest.mark.slow
@@ -89,7 +89,7 @@ def test_crashed_worker_is_restarted_and_stop_leaves_no_process(tmp_path: Path) 
         # The launcher starts a new worker, the gateway takes it in (new
         # incarnation), and requests succeed again without a gateway restart.
         gateway_pid = roles["gateway"].pid
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + STARTUP_TIMEOUT  # a new engine starts meanwhile
         while time.monotonic() < deadline:
             if complete(served.base_url).status_code == 200:
                 break
