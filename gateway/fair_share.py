@@ -198,6 +198,17 @@ class FairQueue:
         best: Tenant = None
         best_rank: tuple[float, int] | None = None
         best_at = 0
+        # Asked once for the waiters that exclude nothing (all but retries).
+        anyone: bool | None = None
+
+        def can_use(exclude: Collection[str]) -> bool:
+            nonlocal anyone
+            if exclude:
+                return usable(exclude)
+            if anyone is None:
+                anyone = usable(())
+            return anyone
+
         for tenant, line in list(self._lines.items()):
             while line and line[0][1].done():
                 line.popleft()
@@ -206,7 +217,9 @@ class FairQueue:
                 continue
             # The first of the key's waiters that can use it (almost always
             # the first of all: only retries exclude workers).
-            at = next((i for i, (_, w, ex) in enumerate(line) if not w.done() and usable(ex)), None)
+            at = next(
+                (i for i, (_, w, ex) in enumerate(line) if not w.done() and can_use(ex)), None
+            )
             if at is None:
                 continue
             rank = (self._share.counter(tenant), line[at][0])
