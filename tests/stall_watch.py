@@ -43,6 +43,10 @@ from typing import Any
 
 import psutil
 
+# Bound at import: tests that monkeypatch ``time.monotonic`` with a simulated
+# clock (tests/shared/test_ticks.py, test_liveness.py, the cache's) must not
+# be read here as the process stalling for hours when the real clock returns.
+_MONOTONIC = time.monotonic
 INTERVAL = 0.5
 # Seconds later than asked that count as a stall.
 LATE = 2.0
@@ -131,11 +135,11 @@ class StallWatch:
         threading.Thread(target=self._run, name="stall-watch", daemon=True).start()
 
     def _run(self) -> None:
-        last = time.monotonic()
+        last = _MONOTONIC()
         sampled = -CPU_SAMPLE_EVERY
         while True:
             time.sleep(INTERVAL)
-            now = time.monotonic()
+            now = _MONOTONIC()
             late = now - last - INTERVAL
             last = now
             if late > LATE:
