@@ -158,16 +158,20 @@ CACHE_ERRORS = Counter(
     ["operation"],
 )
 
-# Batch jobs (gateway.batch): counted by the one process that runs them.
+# Batch jobs (gateway.batch): each line counted by the process that ran it.
 BATCH_LINES = Counter(
     "llmgate_batch_lines",
     "Batch lines finished, by status: completed, failed (an error answer), "
     "cancelled or expired (never run).",
     ["status"],
 )
+# Every status shows from the start, at 0 (Prometheus's advice for known label
+# values): a process that has run no line says 0, not nothing.
+for _status in ("completed", "failed", "cancelled", "expired"):
+    BATCH_LINES.labels(_status)
 BATCH_JOBS = Gauge(
     "llmgate_batch_jobs",
-    "Batch jobs in the state directory, by status (validating, in_progress, completed, ...).",
+    "Batch jobs in the state store, by status (validating, in_progress, completed, ...).",
     ["status"],
     multiprocess_mode="livemax",
 )
