@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> None:
             settings.refuse(f"llmgate gateway: {problem}")
     if gateway.limits and not gateway.limits.startswith(("redis://", "rediss://", "unix://")):
         settings.refuse("llmgate gateway: --limits takes redis://HOST:PORT/DB (empty: per process)")
+    if gateway.batch_lease_seconds < 3:
+        settings.refuse("llmgate gateway: --batch-lease-seconds must be at least 3")
     # The app factory reads its settings from the environment, in this
     # process or in uvicorn's worker processes alike.
     os.environ.update(settings.to_environment(gateway))

@@ -272,6 +272,14 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
         _help("days a batch's output and error files are kept; 0 = until deleted"),
     ] = 30.0
     batch_max_inflight: BatchMaxInflight = 0
+    batch_lease_seconds: Annotated[
+        float,
+        _help(
+            "seconds a batch line stays with the gateway process running it, renewed every "
+            "third of it while the line runs: a replica that dies leaves its lines to the "
+            "others after at most this long (at least 3)"
+        ),
+    ] = 30.0
     max_file_bytes: MaxFileBytes = 200 * 1024 * 1024
 
 

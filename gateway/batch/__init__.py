@@ -47,6 +47,14 @@ def start(
     since the last interactive request (the runner's cap); ``keys`` the
     configured API keys, to run each job's lines as its owner's key.
     """
-    runner = Runner(store, app, capacity, interactive_since, settings.batch_max_inflight, keys)
+    runner = Runner(
+        store,
+        app,
+        capacity,
+        interactive_since,
+        settings.batch_max_inflight,
+        keys,
+        settings.batch_lease_seconds,
+    )
     runner.start()
     return Batches(store, runner, settings.max_file_bytes)

@@ -55,10 +55,9 @@ log = logging.getLogger(__name__)
 # How often the runner looks for new, cancelled or ended jobs when nothing
 # wakes it (a job created through another gateway process or replica).
 POLL_SECONDS = 1.0
-# A line's lease: renewed every RENEW_SECONDS while it runs, so a replica
-# that dies holds its lines at most this long.
+# A line's lease (--batch-lease-seconds): renewed every third of it while
+# the line runs, so a replica that dies holds its lines at most this long.
 LEASE_SECONDS = 30.0
-RENEW_SECONDS = 10.0
 # Pauses between tries of a line the gateway could not take (429, 503).
 RETRY_PAUSES = (1.0, 2.0, 5.0, 10.0, 30.0)
 RETRIED_STATUSES = frozenset({429, 503})
@@ -96,6 +95,7 @@ class Runner:
         interactive_since: Callable[[], float],
         max_inflight: int,
         keys: KeyRing | None = None,
+        lease_seconds: float = LEASE_SECONDS,
     ) -> None:
         self.state = state
         self.app = app
@@ -106,6 +106,7 @@ class Runner:
         self.capacity = capacity
         self.interactive_since = interactive_since
         self.max_inflight = max_inflight
+        self.lease_seconds = lease_seconds
         # This runner among all replicas' (a restarted process is a new owner).
         self.owner = f"{owner_name()}:{secrets.token_hex(3)}"
         self.jobs: dict[str, Job] = {}
@@ -190,18 +191,26 @@ class Runner:
         if now - self._surveyed >= POLL_SECONDS:
             self._surveyed = now
             await self._survey()
-        if self._lines and now - self._renewed >= RENEW_SECONDS:
+        if self._lines and now - self._renewed >= self.lease_seconds / 3:
             self._renewed = now
             running = list(self._running)
-            await asyncio.to_thread(self.batches.lines.renew, self.owner, LEASE_SECONDS, running)
+            await asyncio.to_thread(
+                self.batches.lines.renew, self.owner, self.lease_seconds, running
+            )
         room = self.cap() - self.in_flight
-        if room <= 0:
-            return
-        claimed = await asyncio.to_thread(self.batches.lines.claim, self.owner, room, LEASE_SECONDS)
-        if claimed:
-            self._renewed = time.monotonic()
-        for line in claimed:
-            self._start(line)
+        while room > 0:
+            claimed = await asyncio.to_thread(
+                self.batches.lines.claim, self.owner, room, self.lease_seconds
+            )
+            # A line of ours whose lease lapsed while it ran (this loop was late
+            # past the lease) comes back, its lease now renewed: it runs once,
+            # and the room it took is claimed again.
+            fresh = [c for c in claimed if (c.batch_id, c.line.index) not in self._running]
+            for line in fresh:
+                self._start(line)
+            if len(fresh) == len(claimed):
+                return
+            room = self.cap() - self.in_flight
 
     async def _survey(self) -> None:
         """Start new jobs, stop lines of cancelled or expired ones, end finished ones."""
@@ -214,7 +223,9 @@ class Runner:
                 if statuses.get(batch_id) != "in_progress" or time.time() >= job.expires_at:
                     job.cancelled.set()
         for ending in await asyncio.to_thread(batches.ending):
-            if await asyncio.to_thread(batches.take, ending.batch_id, self.owner, LEASE_SECONDS):
+            if await asyncio.to_thread(
+                batches.take, ending.batch_id, self.owner, self.lease_seconds
+            ):
                 await self._end(ending)
         counts = await asyncio.to_thread(batches.job_counts)
         for status in STATUSES:

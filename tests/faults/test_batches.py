@@ -23,6 +23,7 @@ from tests.conftest import Served, start_gateway, stop_serve
 from tests.faults.held import HOLD_AFTER, HeldWorker, held_worker, running_at, wait_until
 from tests.integration.postgres_server import PostgresServer
 from tests.integration.test_batches import (
+    SHORT_LEASE,
     client_of,
     committed,
     create,
@@ -47,7 +48,7 @@ def job() -> list[dict[str, object]]:
 
 
 def gateway_on(worker: HeldWorker, tmp_path: Path, name: str, *flags: str) -> Served:
-    return start_gateway(tmp_path / f"{name}.log", worker.address, *flags)
+    return start_gateway(tmp_path / f"{name}.log", worker.address, *SHORT_LEASE, *flags)
 
 
 def done_by(store: Database, batch_id: str, pid: int, only: tuple[int, ...] = ()) -> int:
@@ -87,7 +88,7 @@ def test_a_gateway_killed_on_a_held_line_resumes_the_job_from_it(tmp_path: Path)
             worker.say("release")
             second = gateway_on(worker, tmp_path, "second", *state, "--batch-max-inflight", "4")
             try:
-                # Line 3's lease lapses (30 s) and the second gateway takes it.
+                # Line 3's lease lapses (SHORT_LEASE) and the second gateway takes it.
                 wait_for_batch(second, batch_id, finished, timeout=300)
                 assert_whole(second, batch_id)
                 rerun = metric(second.base_url, "llmgate_batch_lines_total", status="completed")

@@ -224,13 +224,17 @@ def committed(store: Database, batch_id: str) -> int:
         return int(db.scalar(query) or 0)
 
 
+# The kill tests' lease: a killed gateway's lines go to the next one after 5 s, not 30.
+SHORT_LEASE = ("--batch-lease-seconds", "5")
+
+
 def test_a_gateway_killed_mid_batch_resumes_it_with_no_line_lost_or_doubled(
     served: Served, tmp_path: Path
 ) -> None:
     """Outcomes only: whenever the kill lands, the job ends whole and what was
     committed did not run again. Where the kill lands exactly (on a held
     line): tests/faults/test_batches.py."""
-    first = lone(tmp_path, served, "first", "--batch-max-inflight", "1")
+    first = lone(tmp_path, served, "first", "--batch-max-inflight", "1", *SHORT_LEASE)
     client = client_of(first)
     total = 60
     batch_id = create(client, requests(total, max_tokens=16))
@@ -242,7 +246,7 @@ def test_a_gateway_killed_mid_batch_resumes_it_with_no_line_lost_or_doubled(
     before = committed(store, batch_id)
     store.close()
     assert before >= 3
-    second = lone(tmp_path, served, "second", "--batch-max-inflight", "4")
+    second = lone(tmp_path, served, "second", "--batch-max-inflight", "4", *SHORT_LEASE)
     try:
         wait_until(second, batch_id, finished)
         batch = client_of(second).batches.retrieve(batch_id)

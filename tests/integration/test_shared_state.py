@@ -29,6 +29,7 @@ from tests.at_once import at_once, raised
 from tests.conftest import MODEL, ROOT, Served, gateway_pair, start_gateway, stop_serve
 from tests.integration.postgres_server import PostgresServer
 from tests.integration.test_batches import (
+    SHORT_LEASE,
     client_of,
     create,
     finished,
@@ -123,12 +124,16 @@ def test_a_replica_killed_mid_batch_leaves_its_lines_to_the_other_with_none_doub
     """Outcomes only: whenever the kill lands, the survivor ends the job whole
     and nothing the victim committed ran again. Where the kill lands exactly
     (two held lines left to the survivor): tests/faults/test_batches.py."""
-    victim = replica(tmp_path, served, "victim", database, "--batch-max-inflight", "2")
+    victim = replica(
+        tmp_path, served, "victim", database, "--batch-max-inflight", "2", *SHORT_LEASE
+    )
     total = 30
     try:
         batch_id = create(client_of(victim), requests(total, max_tokens=16))
         wait_until(victim, batch_id, lambda b: b["request_counts"]["completed"] >= 3)
-        survivor = replica(tmp_path, served, "survivor", database, "--batch-max-inflight", "4")
+        survivor = replica(
+            tmp_path, served, "survivor", database, "--batch-max-inflight", "4", *SHORT_LEASE
+        )
     finally:
         stop_serve(victim, signal.SIGKILL)
     try:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ from gateway.state import State
 from gateway.state.batches import Batches
 from gateway.state.schema import batches as batches_table
 from shared import api_keys
-from shared.settings import GatewaySettings
+from shared.settings import SETTINGS_ERROR_STATUS, GatewaySettings
 
 CHAT = "/v1/chat/completions"
 
@@ -183,3 +185,96 @@ async def test_a_jobs_lines_run_as_its_owners_key_and_a_revoked_one_fails_them(
     [error] = content(state.batches, failed["error_file_id"])
     assert error["response"]["status_code"] == 401
     assert "revoked" in error["response"]["body"]["error"]["message"]
+
+
+class HoldsFirst(App):
+    """Holds line 0 (``{"n": 0}``) until ``release`` is set; answers the others
+    after a short pause, so the runner keeps claiming lines meanwhile. Records
+    which lines it was asked for."""
+
+    def __init__(self, total: int) -> None:
+        super().__init__()
+        self.total = total
+        self.release = asyncio.Event()
+        self.others_answered = asyncio.Event()
+        self.asked: list[int] = []
+        self.answered = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        n = json.loads((await receive())["body"])["n"]
+        self.asked.append(n)
+        if n == 0:
+            self.started.set()
+            await self.release.wait()
+        else:
+            await asyncio.sleep(0.01)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": json.dumps({"echo": n}).encode()})
+        self.answered += 1
+        if self.answered == self.total - 1:
+            self.others_answered.set()
+
+
+async def run_with_line_0_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, renew: bool
+) -> tuple[HoldsFirst, list[list[tuple[str, int]]], dict[str, Any]]:
+    """100 lines, two at a time, under a 0.3 s lease; line 0 is held until every
+    other line has ended. Returns the app, the lines each renewal named while
+    the others were still being claimed (``renew`` False: none is made, as for
+    a loop late past the lease), and the ended job."""
+    app = HoldsFirst(100)
+    batch_runner, store, batch_id = await make(tmp_path, app, 100)
+    batch_runner.lease_seconds = 0.3
+    renewals: list[list[tuple[str, int]]] = []
+    lines_class = type(store.lines)
+    renew_for_real = lines_class.renew
+
+    def spy(lines: Any, owner: str, lease: float, running: Any) -> int:
+        running = list(running)
+        if not app.release.is_set():
+            renewals.append(running)
+        return renew_for_real(lines, owner, lease, running) if renew else 0
+
+    monkeypatch.setattr(lines_class, "renew", spy)
+    batch_runner.start()
+    await app.started.wait()
+    async with asyncio.timeout(60):
+        await app.others_answered.wait()
+    app.release.set()
+    batch = await finished(store, batch_id)
+    await batch_runner.stop()
+    return app, renewals, batch
+
+
+async def test_a_running_lines_lease_is_renewed_while_other_lines_are_claimed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Claiming new lines does not put off renewing the ones running: a long
+    line among many short ones keeps its lease (else another replica takes it
+    over and runs it again)."""
+    app, renewals, batch = await run_with_line_0_held(tmp_path, monkeypatch, renew=True)
+    assert any((batch["id"], 0) in running for running in renewals), renewals
+    assert sorted(app.asked) == list(range(100))
+    assert batch["request_counts"] == {"total": 100, "completed": 100, "failed": 0}
+
+
+async def test_a_line_whose_lease_lapsed_while_it_ran_is_not_run_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its loop late past the lease (no renewal here at all), the runner claims
+    its own running line again: it renews the lease, it does not start it again."""
+    app, _, batch = await run_with_line_0_held(tmp_path, monkeypatch, renew=False)
+    assert app.asked.count(0) == 1, app.asked
+    assert sorted(app.asked) == list(range(100))
+    assert batch["request_counts"] == {"total": 100, "completed": 100, "failed": 0}
+
+
+def test_a_lease_under_three_seconds_is_refused_at_start() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway.main", "--batch-lease-seconds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == SETTINGS_ERROR_STATUS
+    assert "--batch-lease-seconds must be at least 3" in done.stderr
