@@ -30,9 +30,11 @@ import faulthandler
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import threading
 import time
+import traceback
 import weakref
 from collections import deque
 from collections.abc import Iterable
@@ -64,10 +66,37 @@ class Stall:
     ended: float  # wall clock
     seconds: float
     load: str
+    # CPU seconds this process used over the stall: about the stall's length
+    # means one of its threads ran holding the GIL (a long C call, the garbage
+    # collector); about 0 that the process did not run (stopped, or no core).
+    cpu: float = 0.0
+    # The test running then (pytest's PYTEST_CURRENT_TEST) and where the main
+    # thread was when this thread ran again.
+    test: str = ""
+    main_thread: str = ""
 
     def __str__(self) -> str:
         clock = time.strftime("%H:%M:%S", time.gmtime(self.ended))
-        return f"{clock} UTC: {self.seconds:.1f} s late; {self.load}"
+        text = (
+            f"{clock} UTC: {self.seconds:.1f} s late, {self.cpu:.1f} s of CPU used by "
+            f"this process meanwhile; {self.load}"
+        )
+        if self.test:
+            text += f"\n    during {self.test}"
+        if self.main_thread:
+            text += f"\n    the main thread then: {self.main_thread}"
+        return text
+
+
+def main_thread_at() -> str:
+    """The innermost frames of the main thread now, innermost last."""
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    if frame is None:
+        return ""
+    return " <- ".join(
+        f"{Path(f.filename).name}:{f.lineno} {f.name}"
+        for f in reversed(traceback.extract_stack(frame)[-4:])
+    )
 
 
 def machine_load() -> str:
@@ -136,14 +165,18 @@ class StallWatch:
 
     def _run(self) -> None:
         last = _MONOTONIC()
+        last_cpu = time.process_time()
         sampled = -CPU_SAMPLE_EVERY
         while True:
             time.sleep(INTERVAL)
-            now = _MONOTONIC()
+            now, cpu = _MONOTONIC(), time.process_time()
             late = now - last - INTERVAL
-            last = now
+            used = cpu - last_cpu
+            last, last_cpu = now, cpu
             if late > LATE:
-                self._stalls.append(Stall(time.time(), late, machine_load()))
+                test = os.environ.get("PYTEST_CURRENT_TEST", "")
+                stall = Stall(time.time(), late, machine_load(), used, test, main_thread_at())
+                self._stalls.append(stall)
             if now - sampled >= CPU_SAMPLE_EVERY:
                 sampled = now
                 self.samples.append(cpu_sample())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -29,10 +30,34 @@ def test_a_stopped_process_is_reported_as_a_stall() -> None:
     )
     stopper.wait()
     time.sleep(1.5)  # the watch's next wake-up, after the stop
-    stalls = watch.between(start, time.time())
-    assert any(4 - LATE < stall.seconds < 60 for stall in stalls), stalls
+    stalls = [s for s in watch.between(start, time.time()) if 4 - LATE < s.seconds < 60]
+    assert stalls, watch.between(start, time.time())
+    # Stopped, it used no CPU: told apart from a thread that held the GIL.
+    assert stalls[0].cpu < 1.0, stalls
+    assert "test_a_stopped_process_is_reported_as_a_stall" in stalls[0].test
     text = report(watch, start, time.time())
-    assert "s late; load" in text and "busiest processes" in text, text
+    assert "of CPU used by this process meanwhile" in text and "busiest processes" in text, text
+
+
+def test_a_thread_holding_the_gil_is_a_stall_with_the_cpu_it_used() -> None:
+    """The main thread keeps the GIL (a switch interval longer than its work,
+    as a long C call or the garbage collector would): the watch's thread is
+    late, and the process used about that much CPU meanwhile."""
+    watch = StallWatch()
+    start = time.time()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(10)
+    try:
+        busy_until = time.perf_counter() + 4
+        while time.perf_counter() < busy_until:
+            pass
+    finally:
+        sys.setswitchinterval(interval)
+    time.sleep(1.5)
+    stalls = [s for s in watch.between(start, time.time()) if s.seconds > LATE]
+    assert stalls, watch.between(start, time.time())
+    assert stalls[0].cpu > stalls[0].seconds / 2, stalls
+    assert "test_stall_watch.py" in stalls[0].main_thread, stalls
 
 
 def test_the_kernels_stall_reports_during_the_test_are_picked_out() -> None:
