@@ -99,23 +99,48 @@ def server_pid_of(url: str) -> int | None:
     return None
 
 
-def server_processes(server_pid: int | None) -> dict[str, list[psutil.Process]]:
+def server_processes(
+    server_pid: int | None, split_engine: bool = False
+) -> dict[str, list[psutil.Process]]:
     """The processes of ``llmgate serve`` (pid ``server_pid``) by role, each with its
-    children: the gateway (and its ``--processes``), each worker (and vLLM's engine)."""
+    children: the gateway (and its ``--processes``), each worker (and vLLM's engine;
+    ``split_engine``: under ``worker/VLLM::...``, as vLLM names those processes)."""
     if server_pid is None:
         return {}
     roles: dict[str, list[psutil.Process]] = {"gateway": [], "worker": []}
     for proc in psutil.Process(server_pid).children():
         try:
             cmdline = " ".join(proc.cmdline())
-            family = [proc, *proc.children(recursive=True)]
         except psutil.Error:
             continue
-        if "gateway.main" in cmdline:
-            roles["gateway"] += family
-        elif "worker.main" in cmdline:
-            roles["worker"] += family
+        for role in ("gateway", "worker"):
+            if f"{role}.main" in cmdline:
+                for label, family in process_family(role, proc, split_engine).items():
+                    roles.setdefault(label, []).extend(family)
     return roles
+
+
+def process_family(
+    role: str, root: psutil.Process, split_engine: bool = False
+) -> dict[str, list[psutil.Process]]:
+    """``root`` and its descendants under ``role``; ``split_engine``: vLLM's engine
+    processes (which name themselves ``VLLM::...``) under ``role/VLLM::...``."""
+    out: dict[str, list[psutil.Process]] = {}
+    try:
+        family = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return out
+    for proc in family:
+        label = role
+        if split_engine:
+            try:
+                title = (proc.cmdline() or [""])[0]
+            except psutil.Error:
+                continue
+            if title.startswith("VLLM::"):
+                label = f"{role}/{title}"
+        out.setdefault(label, []).append(proc)
+    return out
 
 
 def sample(roles: dict[str, list[psutil.Process]], at_s: float) -> list[ProcessSample]:

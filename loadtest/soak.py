@@ -33,7 +33,14 @@ from pathlib import Path
 import httpx
 import psutil
 
-from loadtest.capacity import ProcessSample, sample, slope_mb_per_hour, total
+from loadtest.capacity import (
+    ProcessSample,
+    process_family,
+    sample,
+    server_processes,
+    slope_mb_per_hour,
+    total,
+)
 
 KINDS = ("completion", "completion-stream", "chat", "chat-stream", "chat-left")
 TOKENS = 16
@@ -148,36 +155,12 @@ def vllm_pid_of(url: str) -> int | None:
     return None
 
 
-def labelled(role: str, pid: int) -> dict[str, list[psutil.Process]]:
-    """The process ``pid`` and its descendants, each under ``role`` or, for vLLM's
-    engine processes (which name themselves ``VLLM::...``), ``role/VLLM::...``."""
-    out: dict[str, list[psutil.Process]] = {}
-    root = psutil.Process(pid)
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            title = (proc.cmdline() or [""])[0]
-        except psutil.Error:
-            continue
-        label = f"{role}/{title}" if title.startswith("VLLM::") else role
-        out.setdefault(label, []).append(proc)
-    return out
-
-
 def server_roles(server_pid: int | None, vllm_pid: int | None) -> dict[str, list[psutil.Process]]:
-    """``llmgate serve``'s gateway and worker processes (and ``vllm serve``'s), by label."""
-    roles: dict[str, list[psutil.Process]] = {}
-    if server_pid is not None:
-        for child in psutil.Process(server_pid).children():
-            try:
-                cmdline = " ".join(child.cmdline())
-            except psutil.Error:
-                continue
-            if "gateway.main" in cmdline:
-                roles |= labelled("gateway", child.pid)
-            elif "worker.main" in cmdline:
-                roles |= labelled("worker", child.pid)
+    """``llmgate serve``'s gateway and worker processes (and ``vllm serve``'s), by
+    label, vLLM's engine processes apart."""
+    roles = server_processes(server_pid, split_engine=True)
     if vllm_pid is not None:
-        roles |= labelled("vllm serve", vllm_pid)
+        roles |= process_family("vllm serve", psutil.Process(vllm_pid), split_engine=True)
     return roles
 
 

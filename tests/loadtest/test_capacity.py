@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import time
+
+import psutil
 import pytest
 
 from loadtest import capacity, loadtest
@@ -24,6 +28,33 @@ def test_totals_add_the_processes_of_a_role_at_one_time() -> None:
     ]
     assert capacity.total(samples, "worker", 0.0) == (1000.0, 90)
     assert capacity.total(samples, "gateway", 10.0) == (0.0, 0)
+
+
+def test_a_family_sets_vllms_engine_processes_apart_when_asked() -> None:
+    """vLLM names its engine processes ``VLLM::...`` (argv[0]): a shell here with
+    one child named so."""
+    shell = subprocess.Popen(["bash", "-c", "(exec -a VLLM::EngineCore sleep 60) & wait"])
+    try:
+        root = psutil.Process(shell.pid)
+        wait = time.monotonic() + 30
+        while [p.cmdline()[:1] for p in root.children()] != [["VLLM::EngineCore"]]:
+            assert time.monotonic() < wait, [p.cmdline() for p in root.children()]
+            time.sleep(0.05)
+        [engine] = root.children()
+        split = capacity.process_family("worker", root, split_engine=True)
+        assert {k: [p.pid for p in v] for k, v in split.items()} == {
+            "worker": [root.pid],
+            "worker/VLLM::EngineCore": [engine.pid],
+        }
+        whole = capacity.process_family("worker", root)
+        assert {k: [p.pid for p in v] for k, v in whole.items()} == {
+            "worker": [root.pid, engine.pid]
+        }
+    finally:
+        for proc in psutil.Process(shell.pid).children(recursive=True):
+            proc.kill()
+        shell.kill()
+        shell.wait()
 
 
 def test_no_server_on_a_port_means_no_processes_to_sample() -> None:
