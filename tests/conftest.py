@@ -2,8 +2,9 @@
 
 The integration tests share one real system per session: ``llmgate serve``
 with one real vLLM CPU worker serving the embedded model (``--enforce-eager``
-for a ~30 s start). It is started on free loopback ports the first time a
-test asks for it, and stopped at the end of the session.
+for a ~30 s start). It is started on free loopback ports as soon as the
+tests are collected, when one of them will use it (so it starts while the
+tests that need none run), and stopped at the end of the session.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class Served:
     worker_port: int = 0
     # Prometheus port of worker 0 (vLLM's metrics), when it serves them.
     worker_metrics_port: int = 0
+    # Healthy workers the gateway must report before it counts as ready.
+    healthy: int = 1
 
     @property
     def model_dir(self) -> str:
@@ -85,6 +88,13 @@ def start_serve(
     log_path: Path, *extra: str, env: dict[str, str] | None = None, num_workers: int = 1
 ) -> Served:
     """Start ``llmgate serve`` on free ports; return once every worker is healthy."""
+    return wait_ready(launch_serve(log_path, *extra, env=env, num_workers=num_workers))
+
+
+def launch_serve(
+    log_path: Path, *extra: str, env: dict[str, str] | None = None, num_workers: int = 1
+) -> Served:
+    """Start ``llmgate serve`` on free ports and return at once (``wait_ready`` next)."""
     port = free_port()
     worker_port = free_port_range(num_workers)
     argv = [
@@ -92,7 +102,7 @@ def start_serve(
         *("--worker-base-port", str(worker_port), "--num-workers", str(num_workers)),
         *("--enforce-eager", *extra),
     ]
-    return _start(argv, log_path, port, env, worker_port, num_workers)
+    return _launch(argv, log_path, port, env, worker_port, num_workers)
 
 
 # A request that finds its worker marked down (starved of CPU for the
@@ -116,12 +126,13 @@ def start_gateway(
     """Start a lone ``llmgate gateway`` in front of running workers (with ``PATIENCE``)."""
     port = free_port()
     argv = [sys.executable, "-m", "gateway.main", "--workers", workers, "--port", str(port)]
-    return _start(
+    launched = _launch(
         [*argv, *extra], log_path, port, {**PATIENCE, **(env or {})}, 0, len(workers.split(","))
     )
+    return wait_ready(launched)
 
 
-def _start(
+def _launch(
     argv: list[str],
     log_path: Path,
     port: int,
@@ -133,23 +144,26 @@ def _start(
     proc = subprocess.Popen(
         argv, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
     )
-    served = Served(proc, f"http://127.0.0.1:{port}", log_path, worker_port)
+    return Served(proc, f"http://127.0.0.1:{port}", log_path, worker_port, healthy=healthy_workers)
+
+
+def wait_ready(served: Served) -> Served:
+    """``served`` once its gateway is ready with every worker healthy; a process
+    that exits is reported at once, one not ready in STARTUP_TIMEOUT is stopped."""
+    name = served.proc.args[2]  # type: ignore[index]
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{argv[2]} exited with {proc.returncode}:\n{served.log_tail()}")
+        if served.proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {served.proc.returncode}:\n{served.log_tail()}")
         try:
             response = httpx.get(f"{served.base_url}/ready", timeout=2)
-            if (
-                response.status_code == 200
-                and response.json()["healthy_workers"] >= healthy_workers
-            ):
+            if response.status_code == 200 and response.json()["healthy_workers"] >= served.healthy:
                 return served
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     stop_serve(served)
-    raise RuntimeError(f"{argv[2]} not ready after {STARTUP_TIMEOUT}s:\n{served.log_tail()}")
+    raise RuntimeError(f"{name} not ready after {STARTUP_TIMEOUT}s:\n{served.log_tail()}")
 
 
 def stop_serve(served: Served, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
@@ -162,9 +176,8 @@ def stop_serve(served: Served, sig: int = signal.SIGTERM, timeout: float = 60.0)
         return served.proc.wait()
 
 
-@pytest.fixture(scope="session")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+def launch_session_serve(directory: Path) -> Served:
+    """The session's system, started (not yet ready)."""
     metrics_port = free_port()
     # TGI-style limits on the session's worker (tests/integration/test_api_surface.py).
     limits = {"LLMGATE_MAX_INPUT_TOKENS": "4000", "LLMGATE_MAX_TOTAL_TOKENS": "6000"}
@@ -176,16 +189,61 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     # (tests/integration/test_cpu_layout.py); the default itself is checked
     # on a system of its own (tests/integration/test_launcher_processes.py).
     engine = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
-    running = start_serve(
-        log_path,
+    running = launch_serve(
+        directory / "serve.log",
         "--worker-metrics-port",
         str(metrics_port),
         *TOOL_FLAGS,
         env={**limits, **engine, **PATIENCE},
     )
     running.worker_metrics_port = metrics_port
+    return running
+
+
+# Started as soon as the tests are collected when one of them will use it, so
+# its engine starts while the tests that need none run (the deploy, fault and
+# unit tests come first): the first integration test does not wait ~40 s.
+_early_serve: list[Served] = []
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
+    if any("served" in getattr(item, "fixturenames", ()) for item in session.items):
+        factory = session.config._tmp_path_factory  # type: ignore[attr-defined]
+        _early_serve.append(launch_session_serve(factory.mktemp("serve")))
+
+
+# Systems told to stop that the session has not waited for (``stop_later``).
+_stopping: list[Served] = []
+
+
+def stop_later(served: Served) -> None:
+    """Tell a module's system to stop (SIGTERM) and go on: its engines take
+    ~6 s to shut down, while the next module's system starts. The session's
+    end waits for it (and kills what did not stop)."""
+    if served.proc.poll() is None:
+        served.proc.send_signal(signal.SIGTERM)
+    _stopping.append(served)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A system started early that no test got to use (the run stopped first),
+    and those told to stop."""
+    for running in _early_serve:
+        stop_serve(running)
+    for running in _stopping:
+        stop_serve(running)
+
+
+@pytest.fixture(scope="session")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    if _early_serve:
+        running = _early_serve.pop()
+    else:
+        running = launch_session_serve(tmp_path_factory.mktemp("serve"))
     try:
-        yield running
+        yield wait_ready(running)
     finally:
         stop_serve(running)
 

@@ -24,6 +24,7 @@ from tests.conftest import (
     free_port,
     start_gateway,
     start_serve,
+    stop_later,
     stop_serve,
 )
 
@@ -74,7 +75,7 @@ def curve_served(key_files: KeyFiles, tmp_path_factory: pytest.TempPathFactory) 
     try:
         yield running
     finally:
-        stop_serve(running)
+        stop_later(running)
 
 
 def start_unready_gateway(log_path: Path, workers: str, *flags: str) -> Served:

@@ -20,7 +20,7 @@ import pytest
 
 from shared.embedded import default_model_dir
 from shared.ports import free_port
-from tests.conftest import MODEL, ROOT, Served, start_gateway, start_serve, stop_serve
+from tests.conftest import MODEL, ROOT, Served, start_gateway, start_serve, stop_later, stop_serve
 from tests.integration.lora import write_zero_lora
 from tests.integration.test_pool import metric
 
@@ -43,7 +43,7 @@ def pools(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     try:
         yield running
     finally:
-        stop_serve(running)
+        stop_later(running)
 
 
 def post(served: Served, body: dict, headers: dict[str, str] | None = None) -> httpx.Response:

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import MODEL, Served, start_gateway, start_serve, stop_serve
+from tests.conftest import MODEL, Served, start_gateway, start_serve, stop_later, stop_serve
 from tests.integration.otlp_receiver import Receiver
 
 pytestmark = pytest.mark.slow
@@ -40,7 +40,7 @@ def traced(receiver: Receiver, tmp_path_factory: pytest.TempPathFactory) -> Iter
     try:
         yield running
     finally:
-        stop_serve(running)
+        stop_later(running)
 
 
 def spans_of(receiver: Receiver, trace_id: str, names: set[str]) -> list[dict[str, Any]]:

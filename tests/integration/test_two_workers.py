@@ -21,7 +21,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import MODEL, Served, start_gateway, start_serve, stop_serve
+from tests.conftest import MODEL, Served, start_gateway, start_serve, stop_later, stop_serve
 from tests.integration.streams import Stream, read_stream
 from tests.integration.test_pool import metric, metric_reaches, value_in
 
@@ -35,7 +35,7 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     try:
         yield running
     finally:
-        stop_serve(running)
+        stop_later(running)
 
 
 def steady_gateway(
