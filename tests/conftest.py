@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -214,17 +215,18 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         _early_serve.append(launch_session_serve(factory.mktemp("serve")))
 
 
-# Systems told to stop that the session has not waited for (``stop_later``).
-_stopping: list[Served] = []
+# Systems told to stop, each reaped by a thread of its own (``stop_later``).
+_stopping: list[threading.Thread] = []
 
 
 def stop_later(served: Served) -> None:
-    """Tell a module's system to stop (SIGTERM) and go on: its engines take
-    ~6 s to shut down, while the next module's system starts. The session's
-    end waits for it (and kills what did not stop)."""
-    if served.proc.poll() is None:
-        served.proc.send_signal(signal.SIGTERM)
-    _stopping.append(served)
+    """Stop a module's system without waiting: its engines take ~6 s to shut
+    down, while the next module's system starts. A thread waits for it (no
+    zombie is left for a test that looks at every process) and kills it if it
+    has not stopped in a minute; the session's end waits for those threads."""
+    thread = threading.Thread(target=stop_serve, args=(served,), name="stop-later")
+    thread.start()
+    _stopping.append(thread)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -232,8 +234,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     and those told to stop."""
     for running in _early_serve:
         stop_serve(running)
-    for running in _stopping:
-        stop_serve(running)
+    for thread in _stopping:
+        thread.join()
 
 
 @pytest.fixture(scope="session")
