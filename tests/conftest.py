@@ -4,7 +4,9 @@ The integration tests share one real system per session: ``llmgate serve``
 with one real vLLM CPU worker serving the embedded model (``--enforce-eager``
 for a ~30 s start). It is started on free loopback ports as soon as the
 tests are collected, when one of them will use it (so it starts while the
-tests that need none run), and stopped at the end of the session.
+tests that need none run), and stopped at the end of the session. Modules
+with engines of their own get them started one module ahead
+(tests/prestart.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import httpx
 import pytest
 
 from shared.ports import free_port, free_port_range
+from tests import prestart
 from tests.integration.postgres_server import PostgresServer
 from tests.integration.redis_server import RedisServer
 from tests.stall_watch import LoopWatch, StallWatch, report, watched_policy
@@ -210,9 +213,11 @@ _early_serve: list[Served] = []
 def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
+    factory = session.config._tmp_path_factory  # type: ignore[attr-defined]
     if any("served" in getattr(item, "fixturenames", ()) for item in session.items):
-        factory = session.config._tmp_path_factory  # type: ignore[attr-defined]
         _early_serve.append(launch_session_serve(factory.mktemp("serve")))
+    # The systems of single modules, one ahead (tests/prestart.py).
+    prestart.plan(session.items, factory)
 
 
 # Systems told to stop, each reaped by a thread of its own (``stop_later``).
@@ -234,6 +239,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     and those told to stop."""
     for running in _early_serve:
         stop_serve(running)
+    prestart.stop_untaken()
     for thread in _stopping:
         thread.join()
 

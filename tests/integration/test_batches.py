@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from sqlalchemy import func, select
 
 from gateway.state.db import Database
 from gateway.state.schema import lines
+from tests import prestart
 from tests.conftest import MODEL, ROOT, Served, start_gateway, stop_serve
 from tests.integration.test_pool import metric, wait_for
 
@@ -316,23 +318,57 @@ def test_llmgate_batch_against_a_running_gateway(gateway: Served, tmp_path: Path
     assert [json.loads(x)["custom_id"] for x in errors.read_text().splitlines()] == ["req-2"]
 
 
-@pytest.mark.slow
-def test_llmgate_batch_offline_starts_and_stops_its_own_serve(tmp_path: Path) -> None:
-    source = tmp_path / "in.jsonl"
+@dataclass
+class OfflineRun:
+    proc: subprocess.Popen[bytes]
+    directory: Path
+
+    def finish(self) -> tuple[int, str]:
+        """Its exit status and standard error, once it exits."""
+        try:
+            code = self.proc.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGINT)  # it stops the serve it started
+            self.proc.wait(timeout=120)
+            raise
+        return code, (self.directory / "stderr.txt").read_text(errors="replace")
+
+
+# ``llmgate batch --offline`` starts its own serve: the run starts while the
+# module before this one runs (tests/prestart.py), and the test reads its end.
+SYSTEM_FIXTURE = "offline_run"
+
+
+def launch_system(directory: Path) -> prestart.Launched:
+    source = directory / "in.jsonl"
     source.write_text("".join(json.dumps(item) + "\n" for item in requests(4)))
-    output = tmp_path / "out.jsonl"
-    done = subprocess.run(
-        [
-            *(sys.executable, "-m", "shared.cli", "batch", str(source), str(output)),
-            *("--", "--enforce-eager"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    argv = [
+        *(sys.executable, "-m", "shared.cli", "batch", str(source), str(directory / "out.jsonl")),
+        *("--", "--enforce-eager"),
+    ]
+    with (directory / "stderr.txt").open("wb") as stderr:
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
+    run = OfflineRun(proc, directory)
+
+    def stop() -> None:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+
+    return prestart.Launched(run, stop)
+
+
+@pytest.fixture
+def offline_run(request: pytest.FixtureRequest) -> OfflineRun:
+    run: OfflineRun = prestart.take(request)
+    return run
+
+
+@pytest.mark.slow
+def test_llmgate_batch_offline_starts_and_stops_its_own_serve(offline_run: OfflineRun) -> None:
+    code, stderr = offline_run.finish()
+    assert code == 0, stderr[-3000:]
+    output = offline_run.directory / "out.jsonl"
     lines = [json.loads(x) for x in output.read_text().splitlines()]
     assert [x["custom_id"] for x in lines] == [f"req-{i}" for i in range(4)]
     assert all(x["response"]["status_code"] == 200 for x in lines)
-    assert not (tmp_path / "out.errors.jsonl").exists()
+    assert not (offline_run.directory / "out.errors.jsonl").exists()

@@ -17,15 +17,17 @@ import pytest
 import zmq
 
 from shared import keys, protocol
+from tests import prestart
 from tests.conftest import (
     MODEL,
     ROOT,
     Served,
     free_port,
+    launch_serve,
     start_gateway,
-    start_serve,
     stop_later,
     stop_serve,
+    wait_ready,
 )
 
 pytestmark = pytest.mark.slow  # its own engine, CURVE-keyed
@@ -49,9 +51,7 @@ class KeyFiles:
         ]
 
 
-@pytest.fixture(scope="module")
-def key_files(tmp_path_factory: pytest.TempPathFactory) -> KeyFiles:
-    folder = tmp_path_factory.mktemp("curve-keys")
+def make_key_files(folder: Path) -> KeyFiles:
     worker_public, worker_secret = keys.generate(folder / "worker", "worker")
     gateway_public, gateway_secret = keys.generate(folder / "gateway", "gateway")
     authorized = folder / "authorized"
@@ -61,21 +61,40 @@ def key_files(tmp_path_factory: pytest.TempPathFactory) -> KeyFiles:
     return KeyFiles(worker_secret, worker_public, gateway_secret, authorized, stranger_secret)
 
 
-@pytest.fixture(scope="module")
-def curve_served(key_files: KeyFiles, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+# This module's system starts while the module before it runs (tests/prestart.py).
+SYSTEM_FIXTURE = "curve_system"
+
+
+def launch_system(directory: Path) -> prestart.Launched:
     """``llmgate serve`` keyed through the environment: each side reads its own names."""
+    key_files = make_key_files(directory / "keys")
     env = {
         "LLMGATE_CURVE_WORKER_KEY_FILE": str(key_files.worker_secret),
         "LLMGATE_CURVE_GATEWAY_KEYS_DIR": str(key_files.authorized_dir),
         "LLMGATE_CURVE_GATEWAY_KEY_FILE": str(key_files.gateway_secret),
         "LLMGATE_CURVE_WORKER_PUBLIC_KEY_FILE": str(key_files.worker_public),
     }
-    log_path = tmp_path_factory.mktemp("curve-serve") / "serve.log"
-    running = start_serve(log_path, env=env)
+    running = launch_serve(directory / "serve.log", env=env)
+    return prestart.Launched((key_files, running), lambda: stop_serve(running))
+
+
+@pytest.fixture(scope="module")
+def curve_system(request: pytest.FixtureRequest) -> Iterator[tuple[KeyFiles, Served]]:
+    key_files, running = prestart.take(request)
     try:
-        yield running
+        yield key_files, wait_ready(running)
     finally:
         stop_later(running)
+
+
+@pytest.fixture(scope="module")
+def key_files(curve_system: tuple[KeyFiles, Served]) -> KeyFiles:
+    return curve_system[0]
+
+
+@pytest.fixture(scope="module")
+def curve_served(curve_system: tuple[KeyFiles, Served]) -> Served:
+    return curve_system[1]
 
 
 def start_unready_gateway(log_path: Path, workers: str, *flags: str) -> Served:

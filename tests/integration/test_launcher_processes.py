@@ -20,7 +20,16 @@ import psutil
 import pytest
 
 from shared.ports import free_port, free_port_range
-from tests.conftest import MODEL, ROOT, STARTUP_TIMEOUT, start_serve, stop_serve
+from tests import prestart
+from tests.conftest import (
+    MODEL,
+    ROOT,
+    STARTUP_TIMEOUT,
+    Served,
+    launch_serve,
+    stop_serve,
+    wait_ready,
+)
 from tests.integration.test_cpu_layout import vllm_binding
 
 pytestmark = pytest.mark.slow
@@ -49,9 +58,26 @@ def complete(base_url: str, timeout: float = 60) -> httpx.Response:
     )
 
 
-def test_crashed_worker_is_restarted_and_stop_leaves_no_process(tmp_path: Path) -> None:
-    served = start_serve(tmp_path / "serve.log", "--policy", "prefix")
+# The crash test's system starts while the module before this one runs (tests/prestart.py).
+SYSTEM_FIXTURE = "launched"
+
+
+def launch_system(directory: Path) -> prestart.Launched:
+    running = launch_serve(directory / "serve.log", "--policy", "prefix")
+    return prestart.Launched(running, lambda: stop_serve(running))
+
+
+@pytest.fixture
+def launched(request: pytest.FixtureRequest) -> Served:
+    """``llmgate serve --policy prefix`` started (the test waits for it and stops it)."""
+    running: Served = prestart.take(request)
+    return running
+
+
+def test_crashed_worker_is_restarted_and_stop_leaves_no_process(launched: Served) -> None:
+    served = launched
     try:
+        wait_ready(served)
         # A gateway setting given to serve is the gateway's, not an engine
         # flag the worker would refuse (it once was, restarted forever).
         served.wait_for_log("routing policy: prefix")

@@ -20,12 +20,15 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.conftest import TOOL_FLAGS, Served, free_port
+from shared.embedded import default_model_dir
+from tests import prestart
+from tests.conftest import STARTUP_TIMEOUT, TOOL_FLAGS, Served, free_port, stop_later, stop_serve
 from tests.integration.parity_cases import (
     MODEL,
     ROUTE_CASES,
@@ -51,13 +54,17 @@ def cpu_defaults() -> tuple[str, ...]:
     return ("--block-size", str(CPU_BLOCK_SIZE)) if current_platform.is_cpu() else ()
 
 
-@pytest.fixture(scope="module")
-def vllm_url(served: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+# vLLM's server starts while the module before this one runs (tests/prestart.py).
+SYSTEM_FIXTURE = "vllm_url"
+
+
+def launch_system(directory: Path) -> prestart.Launched:
+    """vLLM's own server on the embedded model (the session's converted copy)."""
     port = free_port()
-    log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    log_path = directory / "vllm.log"
     argv = [
         *(sys.executable, "-m", "vllm.entrypoints.openai.api_server"),
-        *("--model", served.model_dir, "--served-model-name", MODEL),
+        *("--model", str(default_model_dir()), "--served-model-name", MODEL),
         *("--dtype", "float32", "--enforce-eager"),
         *("--host", "127.0.0.1", "--port", str(port)),
         *TOOL_FLAGS,
@@ -72,27 +79,28 @@ def vllm_url(served: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         env |= {"VLLM_CPU_OMP_THREADS_BIND": str(cores[-1]), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     with log_path.open("wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
+    server = Served(proc, f"http://127.0.0.1:{port}", log_path)
+    return prestart.Launched(server, lambda: stop_serve(server))
+
+
+@pytest.fixture(scope="module")
+def vllm_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    server: Served = prestart.take(request)
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + STARTUP_TIMEOUT
         while time.monotonic() < deadline:
-            assert proc.poll() is None, log_path.read_text(errors="replace")[-3000:]
+            assert server.proc.poll() is None, server.log_tail()
             try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                if httpx.get(f"{server.base_url}/v1/models", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             time.sleep(1)
         else:
-            pytest.fail("vLLM's server did not start within 300 s")
-        yield url
+            pytest.fail(f"vLLM's server did not start within {STARTUP_TIMEOUT} s")
+        yield server.base_url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_later(server)
 
 
 def normalize(value: Any) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -20,7 +21,17 @@ import pytest
 
 from shared.embedded import default_model_dir
 from shared.ports import free_port
-from tests.conftest import MODEL, ROOT, Served, start_gateway, start_serve, stop_later, stop_serve
+from tests import prestart
+from tests.conftest import (
+    MODEL,
+    ROOT,
+    Served,
+    launch_serve,
+    start_gateway,
+    stop_later,
+    stop_serve,
+    wait_ready,
+)
 from tests.integration.lora import write_zero_lora
 from tests.integration.test_pool import metric
 
@@ -32,16 +43,23 @@ EXAMPLE = ROOT / "examples" / "two-pools.yaml"
 LORA = "smollm2-zero-lora"
 
 
-@pytest.fixture(scope="module")
-def pools(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    directory = tmp_path_factory.mktemp("pools")
+# This module's system starts while the module before it runs (tests/prestart.py).
+SYSTEM_FIXTURE = "pools"
+
+
+def launch_system(directory: Path) -> prestart.Launched:
     adapter = write_zero_lora(directory / "lora", str(default_model_dir()))
-    log_path = directory / "serve.log"
     # Flags after the config go to every worker: both pools serve the adapter.
     lora = ("--lora-modules", f"{LORA}={adapter}", "--max-lora-rank", "8")
-    running = start_serve(log_path, "--config", str(EXAMPLE), *lora, num_workers=2)
+    running = launch_serve(directory / "serve.log", "--config", str(EXAMPLE), *lora, num_workers=2)
+    return prestart.Launched(running, lambda: stop_serve(running))
+
+
+@pytest.fixture(scope="module")
+def pools(request: pytest.FixtureRequest) -> Iterator[Served]:
+    running = prestart.take(request)
     try:
-        yield running
+        yield wait_ready(running)
     finally:
         stop_later(running)
 

@@ -11,12 +11,22 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.conftest import MODEL, Served, start_gateway, start_serve, stop_later, stop_serve
+from tests import prestart
+from tests.conftest import (
+    MODEL,
+    Served,
+    launch_serve,
+    start_gateway,
+    stop_later,
+    stop_serve,
+    wait_ready,
+)
 from tests.integration.otlp_receiver import Receiver
 
 pytestmark = pytest.mark.slow
@@ -24,23 +34,46 @@ pytestmark = pytest.mark.slow
 HTTP_PROTOCOL = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
 
 
-@pytest.fixture(scope="module")
-def receiver() -> Iterator[Receiver]:
-    running = Receiver()
+# This module's system starts while the module before it runs (tests/prestart.py).
+SYSTEM_FIXTURE = "tracing_system"
+
+
+def launch_system(directory: Path) -> prestart.Launched:
+    """A local collector, and ``llmgate serve`` exporting to it."""
+    receiver = Receiver()
     try:
-        yield running
-    finally:
-        running.close()
+        running = launch_serve(
+            directory / "serve.log", "--otlp-endpoint", receiver.endpoint, env=HTTP_PROTOCOL
+        )
+    except BaseException:
+        receiver.close()
+        raise
+
+    def stop() -> None:
+        stop_serve(running)
+        receiver.close()
+
+    return prestart.Launched((receiver, running), stop)
 
 
 @pytest.fixture(scope="module")
-def traced(receiver: Receiver, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    log_path = tmp_path_factory.mktemp("traced") / "serve.log"
-    running = start_serve(log_path, "--otlp-endpoint", receiver.endpoint, env=HTTP_PROTOCOL)
+def tracing_system(request: pytest.FixtureRequest) -> Iterator[tuple[Receiver, Served]]:
+    receiver, running = prestart.take(request)
     try:
-        yield running
+        yield receiver, wait_ready(running)
     finally:
         stop_later(running)
+        receiver.close()
+
+
+@pytest.fixture(scope="module")
+def receiver(tracing_system: tuple[Receiver, Served]) -> Receiver:
+    return tracing_system[0]
+
+
+@pytest.fixture(scope="module")
+def traced(tracing_system: tuple[Receiver, Served]) -> Served:
+    return tracing_system[1]
 
 
 def spans_of(receiver: Receiver, trace_id: str, names: set[str]) -> list[dict[str, Any]]:

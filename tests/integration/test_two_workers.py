@@ -14,6 +14,7 @@ import re
 import signal
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,19 +22,36 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import MODEL, Served, start_gateway, start_serve, stop_later, stop_serve
+from tests import prestart
+from tests.conftest import (
+    MODEL,
+    Served,
+    launch_serve,
+    start_gateway,
+    stop_later,
+    stop_serve,
+    wait_ready,
+)
 from tests.integration.streams import Stream, read_stream
 from tests.integration.test_pool import metric, metric_reaches, value_in
 
 pytestmark = pytest.mark.slow
 
 
+# This module's system starts while the module before it runs (tests/prestart.py).
+SYSTEM_FIXTURE = "two"
+
+
+def launch_system(directory: Path) -> prestart.Launched:
+    running = launch_serve(directory / "serve.log", num_workers=2)
+    return prestart.Launched(running, lambda: stop_serve(running))
+
+
 @pytest.fixture(scope="module")
-def two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    log_path = tmp_path_factory.mktemp("two-workers") / "serve.log"
-    running = start_serve(log_path, num_workers=2)
+def two(request: pytest.FixtureRequest) -> Iterator[Served]:
+    running = prestart.take(request)
     try:
-        yield running
+        yield wait_ready(running)
     finally:
         stop_later(running)
 
@@ -152,55 +170,6 @@ async def reported_busy(client: httpx.AsyncClient, address: str) -> bool:
     return any(value_in(text, name, worker=address) for name in names)
 
 
-def test_sigterm_on_a_worker_drains_it(two: Served) -> None:
-    addresses = two.worker_addresses(2).split(",")
-    wait_healthy(two, addresses[0], timeout=240)
-    draining = worker_process(two, addresses[0])
-
-    async def run() -> tuple[list[httpx.Response], list[httpx.Response]]:
-        async with httpx.AsyncClient(base_url=two.base_url, timeout=120) as client:
-            # Both workers idle as their heartbeats tell (work another gateway
-            # left there counts as load: the hot-prefix test's, on worker 0,
-            # once sent all six to worker 1, and nothing drained).
-            deadline = time.monotonic() + 120
-            while any([await reported_busy(client, a) for a in addresses]):
-                assert time.monotonic() < deadline, (
-                    f"workers still busy after 120 s\n{two.log_tail()}"
-                )
-                await asyncio.sleep(0.2)
-            body = {"model": MODEL, "prompt": "Drain", "max_tokens": 40, "ignore_eos": True}
-            running = [
-                asyncio.ensure_future(client.post("/v1/completions", json=body)) for _ in range(6)
-            ]
-            # Some of them running there, as the gateway counts them...
-            await metric_reaches(client, "llmgate_worker_in_flight", 1, worker=addresses[0])
-            since = two.log_path.stat().st_size
-            draining.send_signal(signal.SIGTERM)
-            # ...and a heartbeat has told the gateway.
-            await log_says(two, since, rf"worker {re.escape(addresses[0])} is draining")
-            later = await asyncio.gather(
-                *(
-                    client.post(
-                        "/v1/completions",
-                        json={"model": MODEL, "prompt": f"Later {i}", "max_tokens": 4},
-                    )
-                    for i in range(4)
-                )
-            )
-            return await asyncio.gather(*running), later
-
-    running, later = asyncio.run(run())
-    # What the draining worker had finishes; new work goes to the other one.
-    assert [r.status_code for r in running] == [200] * 6
-    assert all(r.json()["usage"]["completion_tokens"] == 40 for r in running)
-    assert served_by(later) == {addresses[1]: 4}
-    draining.wait(timeout=60)  # not our child: psutil cannot read its exit code...
-    # ...the launcher can, on its next look at its children (every 0.2 s).
-    assert "worker-0 exited with 0 " in two.wait_for_log("worker-0 exited with", 60)
-    # The launcher starts it again and it rejoins.
-    wait_healthy(two, addresses[0], timeout=240)
-
-
 def test_killing_a_worker_while_32_clients_stream(two: Served) -> None:
     """SIGKILL one worker under 32 streaming clients; report what happened.
 
@@ -214,7 +183,7 @@ def test_killing_a_worker_while_32_clients_stream(two: Served) -> None:
     """
     WHOLE_TOKENS = 200
     addresses = two.worker_addresses(2).split(",")
-    for address in addresses:  # after the tests above restarted workers
+    for address in addresses:  # both taking requests
         wait_healthy(two, address, timeout=240)
     victim_address = addresses[1]
     victim = worker_process(two, victim_address)
@@ -527,3 +496,55 @@ def test_a_real_worker_stopped_under_load_loses_no_request(two: Served) -> None:
         )
     )
     assert victim_address in served_by(again)
+
+
+def test_sigterm_on_a_worker_drains_it(two: Served) -> None:
+    addresses = two.worker_addresses(2).split(",")
+    wait_healthy(two, addresses[0], timeout=240)
+    draining = worker_process(two, addresses[0])
+    log_from = len(two.log_path.read_text(errors="replace"))
+
+    async def run() -> tuple[list[httpx.Response], list[httpx.Response]]:
+        async with httpx.AsyncClient(base_url=two.base_url, timeout=120) as client:
+            # Both workers idle as their heartbeats tell (work another gateway
+            # left there counts as load: the hot-prefix test's, on worker 0,
+            # once sent all six to worker 1, and nothing drained).
+            deadline = time.monotonic() + 120
+            while any([await reported_busy(client, a) for a in addresses]):
+                assert time.monotonic() < deadline, (
+                    f"workers still busy after 120 s\n{two.log_tail()}"
+                )
+                await asyncio.sleep(0.2)
+            body = {"model": MODEL, "prompt": "Drain", "max_tokens": 40, "ignore_eos": True}
+            running = [
+                asyncio.ensure_future(client.post("/v1/completions", json=body)) for _ in range(6)
+            ]
+            # Some of them running there, as the gateway counts them...
+            await metric_reaches(client, "llmgate_worker_in_flight", 1, worker=addresses[0])
+            since = two.log_path.stat().st_size
+            draining.send_signal(signal.SIGTERM)
+            # ...and a heartbeat has told the gateway.
+            await log_says(two, since, rf"worker {re.escape(addresses[0])} is draining")
+            later = await asyncio.gather(
+                *(
+                    client.post(
+                        "/v1/completions",
+                        json={"model": MODEL, "prompt": f"Later {i}", "max_tokens": 4},
+                    )
+                    for i in range(4)
+                )
+            )
+            return await asyncio.gather(*running), later
+
+    running, later = asyncio.run(run())
+    # What the draining worker had finishes; new work goes to the other one.
+    assert [r.status_code for r in running] == [200] * 6
+    assert all(r.json()["usage"]["completion_tokens"] == 40 for r in running)
+    assert served_by(later) == {addresses[1]: 4}
+    draining.wait(timeout=60)  # not our child: psutil cannot read its exit code...
+    # ...the launcher can, on its next look at its children (every 0.2 s), and
+    # starts it again. (The module's last test: that a restarted worker
+    # rejoins is the kill test's to show, and nothing here waits for it.)
+    log = two.wait_for_log("worker-0 exited with", 60, since=log_from)
+    assert re.search(r"worker-0 exited with 0 after \d+s; restart \d+ in", log), log
+    assert "starting worker-0" in two.wait_for_log("starting worker-0", 60, since=log_from)

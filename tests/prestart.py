@@ -1,0 +1,104 @@
+"""Engine systems of single test modules, started one module ahead.
+
+Some modules start engines of their own (CURVE keys, the launcher's default
+layout, vLLM's own server for parity, the two pools, tracing, two workers).
+An engine takes 30-45 s to start, most of it importing and loading rather
+than computing, so each start used to add that much to the suite. Now a
+module's system starts when the module before it (of those with one) takes
+its own, and comes up while that module's tests run; the first starts as
+soon as the tests are collected, beside the session's. At most one system
+is ahead at a time: each holds gigabytes.
+
+A module takes part with two names:
+
+* ``SYSTEM_FIXTURE``: the fixture that takes the system (only the modules
+  whose collected tests use that fixture are planned);
+* ``launch_system(directory) -> Launched``: start the processes and return
+  at once (the fixture waits for them to be ready).
+
+and its fixture gets the launched value with ``take(request)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+
+@dataclass
+class Launched:
+    """A started system, and how to stop it if no test gets to take it."""
+
+    value: Any
+    stop: Callable[[], None]
+
+
+@dataclass
+class _Failed:
+    error: BaseException
+
+
+# The modules with a system, in the order their tests run.
+_order: list[ModuleType] = []
+# Systems started ahead and not yet taken, by module name.
+_ahead: dict[str, Launched | _Failed] = {}
+
+
+def _uses_system(item: pytest.Item) -> ModuleType | None:
+    module = getattr(item, "module", None)
+    fixture = getattr(module, "SYSTEM_FIXTURE", None)
+    if fixture is None or fixture not in getattr(item, "fixturenames", ()):
+        return None
+    return module
+
+
+def plan(items: Sequence[pytest.Item], factory: pytest.TempPathFactory) -> None:
+    """Note which modules have a system, in run order; start the first one's."""
+    for item in items:
+        module = _uses_system(item)
+        if module is not None and module not in _order:
+            _order.append(module)
+    if _order:
+        _launch_ahead(_order[0], factory)
+
+
+def _launch(module: ModuleType, factory: pytest.TempPathFactory) -> Launched:
+    directory = factory.mktemp(module.__name__.rsplit(".", 1)[-1])
+    launched: Launched = module.launch_system(directory)
+    return launched
+
+
+def _launch_ahead(module: ModuleType, factory: pytest.TempPathFactory) -> None:
+    try:
+        _ahead[module.__name__] = _launch(module, factory)
+    except Exception as error:  # raised where that module takes it, not here
+        _ahead[module.__name__] = _Failed(error)
+
+
+def take(request: pytest.FixtureRequest) -> Any:
+    """The requesting module's system (started ahead, or now when it was not
+    planned), after starting the next planned module's."""
+    module = request.module
+    factory: pytest.TempPathFactory = request.config._tmp_path_factory  # type: ignore[attr-defined]
+    launched = _ahead.pop(module.__name__, None)
+    if module in _order:
+        following = _order[_order.index(module) + 1 :]
+        if following and following[0].__name__ not in _ahead:
+            _launch_ahead(following[0], factory)
+    if launched is None:
+        launched = _launch(module, factory)
+    if isinstance(launched, _Failed):
+        raise launched.error
+    return launched.value
+
+
+def stop_untaken() -> None:
+    """At the session's end: the systems no test took (the run stopped first)."""
+    for launched in _ahead.values():
+        if isinstance(launched, Launched):
+            launched.stop()
+    _ahead.clear()
