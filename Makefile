@@ -1,7 +1,6 @@
 # The two commands a user needs: `make run` and `make test`. Both install first.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PYTEST := $(PY) -m pytest
 
 .PHONY: install run test test-fast lint format docs bench bench-overhead bench-scaling loadtest clean
 
@@ -21,13 +20,13 @@ test: install
 	@scripts/debian-package.sh redis-server
 	@scripts/debian-package.sh $(POSTGRES_SERVER) postgresql
 	@scripts/debian-package.sh wrk
-	$(PYTEST) --durations=30 $(PYTEST_ARGS)
+	@VENV=$(VENV) scripts/test.sh --durations=30 $(PYTEST_ARGS)
 
 test-fast: install
 	@scripts/debian-package.sh redis-server
 	@scripts/debian-package.sh $(POSTGRES_SERVER) postgresql
 	@scripts/debian-package.sh wrk
-	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
+	@VENV=$(VENV) scripts/test.sh -m "not slow" $(PYTEST_ARGS)
 
 # The layers (pyproject's [tool.importlinter]) are checked with import-linter.
 lint: install

@@ -204,6 +204,15 @@ def launch_session_serve(directory: Path) -> Served:
     return running
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Every system this session starts keeps its default state store (batches,
+    files, responses: ``--state-dir``'s default) under pytest's base directory:
+    not the user's, and not another test session's (``make test`` runs two at
+    once, scripts/test.sh), whose gateways would claim its batch lines."""
+    base = session.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+    os.environ["XDG_STATE_HOME"] = str(base / "xdg-state")
+
+
 # Started as soon as the tests are collected when one of them will use it, so
 # its engine starts while the tests that need none run (the deploy, fault and
 # unit tests come first): the first integration test does not wait ~40 s.
