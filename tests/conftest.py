@@ -243,6 +243,15 @@ def stop_later(served: Served) -> None:
     _stopping.append(thread)
 
 
+@contextmanager
+def module_system(launched: Served) -> Iterator[Served]:
+    """A module's system once ready, stopped in the background after the module."""
+    try:
+        yield wait_ready(launched)
+    finally:
+        stop_later(launched)
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """A system started early that no test got to use (the run stopped first),
     and those told to stop."""

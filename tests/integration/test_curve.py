@@ -24,10 +24,9 @@ from tests.conftest import (
     Served,
     free_port,
     launch_serve,
+    module_system,
     start_gateway,
-    stop_later,
     stop_serve,
-    wait_ready,
 )
 
 pytestmark = pytest.mark.slow  # its own engine, CURVE-keyed
@@ -80,11 +79,9 @@ def launch_system(directory: Path) -> prestart.Launched:
 
 @pytest.fixture(scope="module")
 def curve_system(request: pytest.FixtureRequest) -> Iterator[tuple[KeyFiles, Served]]:
-    key_files, running = prestart.take(request)
-    try:
-        yield key_files, wait_ready(running)
-    finally:
-        stop_later(running)
+    key_files, launched = prestart.take(request)
+    with module_system(launched) as running:
+        yield key_files, running
 
 
 @pytest.fixture(scope="module")

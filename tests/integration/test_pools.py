@@ -27,10 +27,9 @@ from tests.conftest import (
     ROOT,
     Served,
     launch_serve,
+    module_system,
     start_gateway,
-    stop_later,
     stop_serve,
-    wait_ready,
 )
 from tests.integration.lora import write_zero_lora
 from tests.integration.test_pool import metric
@@ -57,11 +56,8 @@ def launch_system(directory: Path) -> prestart.Launched:
 
 @pytest.fixture(scope="module")
 def pools(request: pytest.FixtureRequest) -> Iterator[Served]:
-    running = prestart.take(request)
-    try:
-        yield wait_ready(running)
-    finally:
-        stop_later(running)
+    with module_system(prestart.take(request)) as running:
+        yield running
 
 
 def post(served: Served, body: dict, headers: dict[str, str] | None = None) -> httpx.Response:

@@ -22,10 +22,9 @@ from tests.conftest import (
     MODEL,
     Served,
     launch_serve,
+    module_system,
     start_gateway,
-    stop_later,
     stop_serve,
-    wait_ready,
 )
 from tests.integration.otlp_receiver import Receiver
 
@@ -58,11 +57,11 @@ def launch_system(directory: Path) -> prestart.Launched:
 
 @pytest.fixture(scope="module")
 def tracing_system(request: pytest.FixtureRequest) -> Iterator[tuple[Receiver, Served]]:
-    receiver, running = prestart.take(request)
+    receiver, launched = prestart.take(request)
     try:
-        yield receiver, wait_ready(running)
+        with module_system(launched) as running:
+            yield receiver, running
     finally:
-        stop_later(running)
         receiver.close()
 
 

@@ -27,10 +27,9 @@ from tests.conftest import (
     MODEL,
     Served,
     launch_serve,
+    module_system,
     start_gateway,
-    stop_later,
     stop_serve,
-    wait_ready,
 )
 from tests.integration.streams import Stream, read_stream
 from tests.integration.test_pool import metric, metric_reaches, value_in
@@ -49,11 +48,8 @@ def launch_system(directory: Path) -> prestart.Launched:
 
 @pytest.fixture(scope="module")
 def two(request: pytest.FixtureRequest) -> Iterator[Served]:
-    running = prestart.take(request)
-    try:
-        yield wait_ready(running)
-    finally:
-        stop_later(running)
+    with module_system(prestart.take(request)) as running:
+        yield running
 
 
 def steady_gateway(
