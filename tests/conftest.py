@@ -223,10 +223,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
     factory = session.config._tmp_path_factory  # type: ignore[attr-defined]
-    if any("served" in getattr(item, "fixturenames", ()) for item in session.items):
+    session_system = any("served" in getattr(i, "fixturenames", ()) for i in session.items)
+    if session_system:
         _early_serve.append(launch_session_serve(factory.mktemp("serve")))
-    # The systems of single modules, one ahead (tests/prestart.py).
-    prestart.plan(session.items, factory)
+    # The systems of single modules, one ahead (tests/prestart.py); the first
+    # once the session's is ready.
+    prestart.plan(session.items, factory, start_first=not session_system)
 
 
 # Systems told to stop, each reaped by a thread of its own (``stop_later``).
@@ -269,7 +271,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     else:
         running = launch_session_serve(tmp_path_factory.mktemp("serve"))
     try:
-        yield wait_ready(running)
+        wait_ready(running)
+        prestart.start_first_system(tmp_path_factory)
+        yield running
     finally:
         stop_serve(running)
 

@@ -5,9 +5,10 @@ layout, vLLM's own server for parity, the two pools, tracing, two workers).
 An engine takes 30-45 s to start, most of it importing and loading rather
 than computing, so each start used to add that much to the suite. Now a
 module's system starts when the module before it (of those with one) takes
-its own, and comes up while that module's tests run; the first starts as
-soon as the tests are collected, beside the session's. At most one system
-is ahead at a time: each holds gigabytes.
+its own, and comes up while that module's tests run; the first starts once
+the session's system is ready (at once when no test uses that one), so the
+two do not slow each other's start, on which every test waits. At most one
+system is ahead at a time: each holds gigabytes.
 
 A module takes part with two names:
 
@@ -46,6 +47,8 @@ class _Failed:
 _order: list[ModuleType] = []
 # Systems started ahead and not yet taken, by module name.
 _ahead: dict[str, Launched | _Failed] = {}
+# Modules that took theirs.
+_taken: set[str] = set()
 
 
 def _uses_system(item: pytest.Item) -> ModuleType | None:
@@ -56,13 +59,22 @@ def _uses_system(item: pytest.Item) -> ModuleType | None:
     return module
 
 
-def plan(items: Sequence[pytest.Item], factory: pytest.TempPathFactory) -> None:
-    """Note which modules have a system, in run order; start the first one's."""
+def plan(
+    items: Sequence[pytest.Item], factory: pytest.TempPathFactory, start_first: bool = True
+) -> None:
+    """Note which modules have a system, in run order; start the first one's
+    now, or (``start_first`` false) when ``start_first_system`` is called."""
     for item in items:
         module = _uses_system(item)
         if module is not None and module not in _order:
             _order.append(module)
-    if _order:
+    if start_first:
+        start_first_system(factory)
+
+
+def start_first_system(factory: pytest.TempPathFactory) -> None:
+    """Start the first planned module's system, unless it started already."""
+    if _order and _order[0].__name__ not in _ahead and not _taken:
         _launch_ahead(_order[0], factory)
 
 
@@ -85,6 +97,7 @@ def take(request: pytest.FixtureRequest) -> Any:
     module = request.module
     factory: pytest.TempPathFactory = request.config._tmp_path_factory  # type: ignore[attr-defined]
     launched = _ahead.pop(module.__name__, None)
+    _taken.add(module.__name__)
     if module in _order:
         following = _order[_order.index(module) + 1 :]
         if following and following[0].__name__ not in _ahead:

@@ -51,6 +51,7 @@ def modules(monkeypatch: pytest.MonkeyPatch) -> Modules:
     # The session's own plan (this run's real modules) stays as it was.
     monkeypatch.setattr(prestart, "_order", [])
     monkeypatch.setattr(prestart, "_ahead", {})
+    monkeypatch.setattr(prestart, "_taken", set())
     return Modules()
 
 
@@ -126,3 +127,18 @@ def test_a_module_that_was_not_planned_starts_its_system_when_it_asks(
     prestart.plan([], factory)  # type: ignore[arg-type]
     assert modules.started == []
     assert prestart.take(request(alone, factory)) == "alone in alone"
+
+
+def test_the_first_system_can_wait_for_the_sessions(modules: Modules, tmp_path: Path) -> None:
+    factory = Factory(tmp_path)
+    first, second = modules.module("first"), modules.module("second")
+    items = [item(first, "system"), item(second, "system")]
+    prestart.plan(items, factory, start_first=False)  # type: ignore[arg-type]
+    assert modules.started == []
+    prestart.start_first_system(factory)  # type: ignore[arg-type]
+    prestart.start_first_system(factory)  # type: ignore[arg-type]
+    assert modules.started == ["first"]  # once
+    prestart.take(request(first, factory))
+    prestart.take(request(second, factory))
+    prestart.start_first_system(factory)  # type: ignore[arg-type]
+    assert modules.started == ["first", "second"]  # not again once taken
