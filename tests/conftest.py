@@ -245,6 +245,12 @@ def stop_later(served: Served) -> None:
     _stopping.append(thread)
 
 
+def launched_ahead(running: Served, value: object = None) -> prestart.Launched:
+    """``running`` started for tests/prestart.py (or ``value``, which holds it),
+    stopped with ``stop_serve`` if no test takes it."""
+    return prestart.Launched(running if value is None else value, lambda: stop_serve(running))
+
+
 @contextmanager
 def module_system(launched: Served) -> Iterator[Served]:
     """A module's system once ready, stopped in the background after the module."""

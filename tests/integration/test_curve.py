@@ -24,6 +24,7 @@ from tests.conftest import (
     Served,
     free_port,
     launch_serve,
+    launched_ahead,
     module_system,
     start_gateway,
     stop_serve,
@@ -74,7 +75,7 @@ def launch_system(directory: Path) -> prestart.Launched:
         "LLMGATE_CURVE_WORKER_PUBLIC_KEY_FILE": str(key_files.worker_public),
     }
     running = launch_serve(directory / "serve.log", env=env)
-    return prestart.Launched((key_files, running), lambda: stop_serve(running))
+    return launched_ahead(running, (key_files, running))
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from tests.conftest import (
     STARTUP_TIMEOUT,
     Served,
     launch_serve,
+    launched_ahead,
     stop_serve,
     wait_ready,
 )
@@ -64,7 +65,7 @@ SYSTEM_FIXTURE = "launched"
 
 def launch_system(directory: Path) -> prestart.Launched:
     running = launch_serve(directory / "serve.log", "--policy", "prefix")
-    return prestart.Launched(running, lambda: stop_serve(running))
+    return launched_ahead(running)
 
 
 @pytest.fixture

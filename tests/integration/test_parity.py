@@ -28,7 +28,14 @@ import pytest
 
 from shared.embedded import default_model_dir
 from tests import prestart
-from tests.conftest import STARTUP_TIMEOUT, TOOL_FLAGS, Served, free_port, stop_later, stop_serve
+from tests.conftest import (
+    STARTUP_TIMEOUT,
+    TOOL_FLAGS,
+    Served,
+    free_port,
+    launched_ahead,
+    stop_later,
+)
 from tests.integration.parity_cases import (
     MODEL,
     ROUTE_CASES,
@@ -80,7 +87,7 @@ def launch_system(directory: Path) -> prestart.Launched:
     with log_path.open("wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = Served(proc, f"http://127.0.0.1:{port}", log_path)
-    return prestart.Launched(server, lambda: stop_serve(server))
+    return launched_ahead(server)
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from tests.conftest import (
     ROOT,
     Served,
     launch_serve,
+    launched_ahead,
     module_system,
     start_gateway,
     stop_serve,
@@ -51,7 +52,7 @@ def launch_system(directory: Path) -> prestart.Launched:
     # Flags after the config go to every worker: both pools serve the adapter.
     lora = ("--lora-modules", f"{LORA}={adapter}", "--max-lora-rank", "8")
     running = launch_serve(directory / "serve.log", "--config", str(EXAMPLE), *lora, num_workers=2)
-    return prestart.Launched(running, lambda: stop_serve(running))
+    return launched_ahead(running)
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from tests.conftest import (
     MODEL,
     Served,
     launch_serve,
+    launched_ahead,
     module_system,
     start_gateway,
     stop_serve,
@@ -43,7 +44,7 @@ SYSTEM_FIXTURE = "two"
 
 def launch_system(directory: Path) -> prestart.Launched:
     running = launch_serve(directory / "serve.log", num_workers=2)
-    return prestart.Launched(running, lambda: stop_serve(running))
+    return launched_ahead(running)
 
 
 @pytest.fixture(scope="module")
