@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> None:
             settings.refuse(f"llmgate gateway: {problem}")
     if gateway.limits and not gateway.limits.startswith(("redis://", "rediss://", "unix://")):
         settings.refuse("llmgate gateway: --limits takes redis://HOST:PORT/DB (empty: per process)")
+    if gateway.timeout_keep_alive < 1:
+        settings.refuse("llmgate gateway: --timeout-keep-alive must be at least 1 second")
     if gateway.batch_lease_seconds < 3:
         settings.refuse("llmgate gateway: --batch-lease-seconds must be at least 3")
     # The app factory reads its settings from the environment, in this
@@ -103,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
             # X-Forwarded-* rewriting would be work on every request for nothing.
             proxy_headers=False,
             timeout_graceful_shutdown=int(gateway.drain_timeout),
+            timeout_keep_alive=gateway.timeout_keep_alive,
         )
     finally:
         if multiproc_dir:

@@ -193,6 +193,14 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     drain_timeout: Annotated[
         float, _help("on SIGTERM, seconds to let in-flight requests finish before exiting")
     ] = 30.0
+    timeout_keep_alive: Annotated[
+        int,
+        _help(
+            "seconds an idle client connection stays open; keep it above the idle timeout "
+            "of a load balancer in front (AWS ALB: 60 s), so the balancer closes first and "
+            "never sends a request on a connection the gateway is closing"
+        ),
+    ] = 75
     max_n: Annotated[int, _help("most choices (`n`) one request may ask for; more is 400")] = 128
     max_stop_sequences: Annotated[
         int, _help("most stop sequences (`stop`) one request may give; more is 400")
