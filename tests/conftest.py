@@ -28,6 +28,7 @@ import pytest
 
 from shared.ports import free_port, free_port_range
 from tests import prestart
+from tests.cpu_heartbeats import CpuHeartbeats
 from tests.integration.postgres_server import PostgresServer
 from tests.integration.redis_server import RedisServer
 from tests.stall_watch import LoopWatch, StallWatch, report, watched_policy
@@ -270,6 +271,12 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         thread.join()
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The cores' heartbeats, once the summary has told the stalls with them."""
+    if _watch.cores is not None:
+        _watch.cores.stop()
+
+
 @pytest.fixture(scope="session")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     if _early_serve:
@@ -336,7 +343,10 @@ def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Postgr
         server.remove()
 
 
-_watch = StallWatch()
+# A stall of the test process is told with what each core did meanwhile: a
+# core that ran nothing (its host did not run that virtual CPU) or cores that
+# ran other work (tests/cpu_heartbeats.py).
+_watch = StallWatch(CpuHeartbeats())
 # Every event loop the tests run ticks for this watch (tests/stall_watch.py).
 _loops = LoopWatch(_watch)
 asyncio.set_event_loop_policy(watched_policy(_loops))
@@ -369,7 +379,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         f"{_loops.after:.0f} s or more"
     )
     for stall in stalls:
-        reporter.write_line(f"  {stall}")
+        reporter.write_line(f"  {_watch.describe(stall)}")
     if loop_stalls:
         base = reporter.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
         path = Path(base) / "loop-stalls.txt"

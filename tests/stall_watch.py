@@ -45,6 +45,8 @@ from typing import Any
 
 import psutil
 
+from tests.cpu_heartbeats import CpuHeartbeats
+
 # Bound at import: tests that monkeypatch ``time.monotonic`` with a simulated
 # clock (tests/shared/test_ticks.py, test_liveness.py, the cache's) must not
 # be read here as the process stalling for hours when the real clock returns.
@@ -74,12 +76,17 @@ class Stall:
     # thread was when this thread ran again.
     test: str = ""
     main_thread: str = ""
+    # Seconds of the stall the main thread spent queued for a core
+    # (/proc's schedstat run delay): about all of it means it could run and no
+    # core took it; about 0 with no CPU used, that it was stopped or asleep.
+    waited: float = 0.0
 
     def __str__(self) -> str:
         clock = time.strftime("%H:%M:%S", time.gmtime(self.ended))
         text = (
             f"{clock} UTC: {self.seconds:.1f} s late, {self.cpu:.1f} s of CPU used by "
-            f"this process meanwhile; {self.load}"
+            f"this process meanwhile, its main thread queued for a core {self.waited:.1f} s "
+            f"of it; {self.load}"
         )
         if self.test:
             text += f"\n    during {self.test}"
@@ -97,6 +104,14 @@ def main_thread_at() -> str:
         f"{Path(f.filename).name}:{f.lineno} {f.name}"
         for f in reversed(traceback.extract_stack(frame)[-4:])
     )
+
+
+def run_delay(thread_id: int | None) -> float:
+    """Seconds a thread of this process has spent runnable and waiting for a core."""
+    try:
+        return int(Path(f"/proc/self/task/{thread_id}/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def machine_load() -> str:
@@ -158,7 +173,9 @@ def cpu_used(before: CpuSample, after: CpuSample, top: int = 10) -> str:
 
 
 class StallWatch:
-    def __init__(self) -> None:
+    def __init__(self, cores: CpuHeartbeats | None = None) -> None:
+        """``cores``: each core's heartbeat, told with each stall (tests/cpu_heartbeats.py)."""
+        self.cores = cores
         self._stalls: list[Stall] = []
         self.samples: deque[CpuSample] = deque(maxlen=CPU_SAMPLES_KEPT)
         threading.Thread(target=self._run, name="stall-watch", daemon=True).start()
@@ -166,16 +183,20 @@ class StallWatch:
     def _run(self) -> None:
         last = _MONOTONIC()
         last_cpu = time.process_time()
+        main = threading.main_thread().native_id
+        last_delay = run_delay(main)
         sampled = -CPU_SAMPLE_EVERY
         while True:
             time.sleep(INTERVAL)
-            now, cpu = _MONOTONIC(), time.process_time()
+            now, cpu, delay = _MONOTONIC(), time.process_time(), run_delay(main)
             late = now - last - INTERVAL
-            used = cpu - last_cpu
-            last, last_cpu = now, cpu
+            used, waited = cpu - last_cpu, delay - last_delay
+            last, last_cpu, last_delay = now, cpu, delay
             if late > LATE:
                 test = os.environ.get("PYTEST_CURRENT_TEST", "")
-                stall = Stall(time.time(), late, machine_load(), used, test, main_thread_at())
+                stall = Stall(
+                    time.time(), late, machine_load(), used, test, main_thread_at(), waited
+                )
                 self._stalls.append(stall)
             if now - sampled >= CPU_SAMPLE_EVERY:
                 sampled = now
@@ -189,6 +210,13 @@ class StallWatch:
     def between(self, start: float, stop: float) -> list[Stall]:
         """Stalls that ended between two wall-clock times."""
         return [s for s in self._stalls if start <= s.ended <= stop + INTERVAL + LATE]
+
+    def describe(self, stall: Stall) -> str:
+        """The stall, with what each core's heartbeat did over it."""
+        if self.cores is None:
+            return str(stall)
+        heard = self.cores.during(stall.ended - stall.seconds - INTERVAL, stall.ended)
+        return f"{stall}\n    {heard}"
 
 
 @dataclass(frozen=True)
@@ -369,7 +397,7 @@ def report(
     lines = [f"now: {machine_load()}"]
     lines.append(
         "stalls of the test process during the test: "
-        + ("none" if not stalls else "\n  " + "\n  ".join(map(str, stalls)))
+        + ("none" if not stalls else "\n  " + "\n  ".join(map(watch.describe, stalls)))
     )
     if stalls:
         before = watch.sample_before(min(s.ended - s.seconds for s in stalls))

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
 
+import pytest
+
+from tests.cpu_heartbeats import INTERVAL, CpuHeartbeats
 from tests.stall_watch import (
     LATE,
     LoopWatch,
@@ -150,3 +154,69 @@ def test_a_loop_that_stopped_running_is_not_a_stall() -> None:
         runner.run(asyncio.sleep(0.1))
         time.sleep(3)  # the loop is not running now: its silence is no stall
     assert loops.between(start, time.time()) == []
+
+
+def test_a_core_that_ran_nothing_is_named_by_its_heartbeat() -> None:
+    """Stopping the heartbeat pinned to a core stands for that core running
+    nothing (a virtual CPU its host did not run): its next wake-up is late by
+    the stop, and a stall over that time names the core."""
+    cores = CpuHeartbeats()
+    try:
+        core = cores.cores[-1]
+        deadline = time.monotonic() + 60
+        while not cores.running():
+            assert time.monotonic() < deadline, "the heartbeats did not start"
+            time.sleep(0.1)
+        start = time.time()
+        beat = cores.processes[core]
+        os.kill(beat.pid, signal.SIGSTOP)
+        time.sleep(3)
+        os.kill(beat.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while not [b for b in cores.late_beats() if b.core == core]:
+            assert time.monotonic() < deadline, "the stopped heartbeat wrote no late wake-up"
+            time.sleep(0.1)
+        [late] = [b for b in cores.late_beats() if b.core == core]
+        assert late.seconds > 3 - INTERVAL, late
+        assert f"core {core} {late.seconds:.1f} s late" in cores.during(start, time.time())
+    finally:
+        cores.stop()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="raising a process's priority takes root")
+def test_a_main_thread_that_no_core_takes_is_a_stall_spent_queued() -> None:
+    """The main thread, holding the GIL, is pinned to one core that a process of
+    the highest priority spins on for 3 s: runnable all along, it is hardly
+    given the core, and the stall is the time it waited for one, with almost
+    no CPU used (a stopped process waits for none: the first test)."""
+    watch = StallWatch()
+    core = sorted(os.sched_getaffinity(0))[-1]
+    spin = (
+        "import time\nend = time.monotonic() + 3\nprint(flush=True)\n"
+        "while time.monotonic() < end: pass"
+    )
+    affinity = os.sched_getaffinity(0)
+    interval = sys.getswitchinterval()
+    spinner = subprocess.Popen(
+        ["nice", "-n", "-20", "taskset", "-c", str(core), sys.executable, "-c", spin],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert spinner.stdout is not None
+        spinner.stdout.readline()  # it spins from now on
+        start = time.time()
+        os.sched_setaffinity(0, {core})  # this thread only
+        sys.setswitchinterval(10)
+        # Held until after the spinner's end, without a call that lets the GIL go.
+        end = time.monotonic() + 3
+        while time.monotonic() < end:
+            pass
+    finally:
+        sys.setswitchinterval(interval)
+        os.sched_setaffinity(0, affinity)
+        spinner.wait(timeout=60)
+    time.sleep(1.5)
+    stalls = [s for s in watch.between(start, time.time()) if s.seconds > LATE]
+    assert stalls, watch.between(start, time.time())
+    assert stalls[0].waited > 0.8 * stalls[0].seconds, stalls
+    assert stalls[0].cpu < 0.5 * stalls[0].seconds, stalls

@@ -1,0 +1,113 @@
+"""One heartbeat process pinned to each core: tells a core that ran nothing from a starved process.
+
+When the test process is stalled with no CPU used (tests/stall_watch.py),
+either the cores ran other work and it waited its turn, or a core ran
+nothing at all: on a virtual machine, its host did not run that virtual CPU,
+and what was queued on it waited while the other core ran on. A process
+pinned to one core that wakes every half second tells them apart: asleep,
+it is woken at once on a running core (the scheduler gives a task that
+slept priority over ones that spin), so a wake-up seconds late means that
+core did not schedule at all. It is a process, not a thread of the test
+process, which could not run without the test process's GIL.
+
+Each heartbeat writes its late wake-ups to a file (wall-clock end and
+seconds late) and exits when the process that started it is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+INTERVAL = 0.5
+# Seconds later than asked that count (as the stall watch's LATE).
+LATE = 2.0
+
+_BEAT = """
+import os, sys, time
+core, interval, late_after = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+parent = os.getppid()
+os.sched_setaffinity(0, {core})
+last = time.monotonic()
+out = open(sys.argv[4], "a", buffering=1)  # made now: a wake-up late from here on is told
+while os.getppid() == parent:
+    time.sleep(interval)
+    now = time.monotonic()
+    late = now - last - interval
+    last = now
+    if late > late_after:
+        out.write(f"{time.time():.3f} {late:.3f}\\n")
+"""
+
+
+@dataclass(frozen=True)
+class LateBeat:
+    core: int
+    ended: float  # wall clock
+    seconds: float
+
+    def overlaps(self, start: float, stop: float) -> bool:
+        return self.ended - self.seconds <= stop and self.ended >= start
+
+
+class CpuHeartbeats:
+    def __init__(self) -> None:
+        self.directory = Path(tempfile.mkdtemp(prefix="cpu-heartbeats-"))
+        self.cores = sorted(os.sched_getaffinity(0))
+        self.processes = {
+            core: subprocess.Popen(
+                # -I -S: no site packages, nothing but the few lines above to start.
+                [sys.executable, "-I", "-S", "-c", _BEAT, *self._arguments(core)],
+                stdin=subprocess.DEVNULL,
+            )
+            for core in self.cores
+        }
+
+    def _arguments(self, core: int) -> list[str]:
+        return [str(core), str(INTERVAL), str(LATE), str(self._path(core))]
+
+    def _path(self, core: int) -> Path:
+        return self.directory / f"core-{core}.txt"
+
+    def running(self) -> bool:
+        """Every heartbeat is beating (its file made: its late wake-ups are told from then)."""
+        return all(self._path(core).exists() for core in self.cores)
+
+    def late_beats(self) -> list[LateBeat]:
+        beats = []
+        for core in self.cores:
+            try:
+                lines = self._path(core).read_text().splitlines()
+            except OSError:
+                continue
+            for line in lines:
+                ended, seconds = line.split()
+                beats.append(LateBeat(core, float(ended), float(seconds)))
+        return beats
+
+    def during(self, start: float, stop: float) -> str:
+        """Each core's heartbeat over a stall of the test process from ``start`` to ``stop``
+        (wall clock): how late it woke, or that it woke on time."""
+        late = [beat for beat in self.late_beats() if beat.overlaps(start, stop)]
+        parts = []
+        for core in self.cores:
+            worst = max((b.seconds for b in late if b.core == core), default=0.0)
+            if worst:
+                parts.append(f"core {core} {worst:.1f} s late")
+            else:
+                parts.append(f"core {core} on time")
+        if not all(proc.poll() is None for proc in self.processes.values()):
+            parts.append("(a heartbeat process has exited)")
+        return "cores' heartbeats: " + ", ".join(parts)
+
+    def stop(self) -> None:
+        for proc in self.processes.values():
+            proc.terminate()
+        for proc in self.processes.values():
+            proc.wait(timeout=10)
+        shutil.rmtree(self.directory, ignore_errors=True)
