@@ -5,7 +5,8 @@ test process acting minutes later than the system it tested. A daemon thread
 here wakes every half second; a wake-up far later than asked means this
 process (or the whole machine) did not run meanwhile. A failed test's report
 gets a section listing the stalls during it, the machine's load then, and
-the processes that used the most CPU just after it failed, and what the
+the processes that used the most CPU just after it failed, each core's
+heartbeat over each stall (tests/cpu_heartbeats.py), and what the
 kernel logged meanwhile of a CPU that made no progress: on the CI's virtual
 machine it once reported one stuck for 34 s (its host did not run that
 virtual CPU), and a process queued there gets no CPU at all meanwhile while
@@ -281,6 +282,8 @@ class LoopWatch:
             last_tick = self._last_tick
             before = self.watch.sample_before(last_tick)
             cpu = cpu_used(before, cpu_sample()) if before else "no CPU sample before it"
+            if self.watch.cores is not None:
+                cpu += "\n    " + self.watch.cores.during(last_tick, time.time())
             self.stalls.append(LoopStall(time.time(), last_tick, stacks, cpu))
 
     def between(self, start: float, stop: float) -> list[LoopStall]:

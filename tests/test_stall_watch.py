@@ -122,8 +122,10 @@ def test_the_warnings_the_systems_logged_during_the_test_are_picked_out(tmp_path
 
 def test_an_event_loop_held_past_its_bound_gets_every_threads_stack_dumped() -> None:
     """A coroutine that blocks its loop (a synchronous sleep here) shows in the
-    report with the stack that held it and the CPU used meanwhile."""
-    watch = StallWatch()
+    report with the stack that held it, the CPU used meanwhile and each core's
+    heartbeat."""
+    cores = CpuHeartbeats()
+    watch = StallWatch(cores)
     loops = LoopWatch(watch, after=2.0)
     runner = asyncio.Runner(loop_factory=watched_policy(loops).new_event_loop)
 
@@ -144,6 +146,8 @@ def test_an_event_loop_held_past_its_bound_gets_every_threads_stack_dumped() -> 
     text = report(watch, start, time.time(), loops=loops)
     assert "stalls of the test's event loop during the test: \n" in text, text
     assert "blocks_its_loop" in text
+    assert "cores' heartbeats: core" in text
+    cores.stop()
 
 
 def test_a_loop_that_stopped_running_is_not_a_stall() -> None:
