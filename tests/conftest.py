@@ -380,6 +380,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     )
     for stall in stalls:
         reporter.write_line(f"  {_watch.describe(stall)}")
+    late_beats = _watch.cores.late_beats() if _watch.cores is not None else []
+    reporter.write_line(f"cores' heartbeats late {len(late_beats)} times")
+    for beat in late_beats:
+        reporter.write_line(f"  {beat}")
     if loop_stalls:
         base = reporter.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
         path = Path(base) / "loop-stalls.txt"

@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,20 +29,33 @@ INTERVAL = 0.5
 # Seconds later than asked that count (as the stall watch's LATE).
 LATE = 2.0
 
+# A late wake-up is written with the direct reclaims and compaction stalls
+# the kernel counted meanwhile (/proc/vmstat): work it does in the task that
+# allocates, on that task's core.
 _BEAT = """
 import os, sys, time
 core, interval, late_after = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
 parent = os.getppid()
 os.sched_setaffinity(0, {core})
-last = time.monotonic()
+def memory_work():
+    counts = [0, 0]
+    with open("/proc/vmstat") as vmstat:
+        for line in vmstat:
+            if line.startswith("allocstall"):
+                counts[0] += int(line.split()[1])
+            elif line.startswith("compact_stall"):
+                counts[1] += int(line.split()[1])
+    return counts
+last, last_work = time.monotonic(), memory_work()
 out = open(sys.argv[4], "a", buffering=1)  # made now: a wake-up late from here on is told
 while os.getppid() == parent:
     time.sleep(interval)
-    now = time.monotonic()
+    now, work = time.monotonic(), memory_work()
     late = now - last - interval
-    last = now
+    reclaims, compactions = work[0] - last_work[0], work[1] - last_work[1]
+    last, last_work = now, work
     if late > late_after:
-        out.write(f"{time.time():.3f} {late:.3f}\\n")
+        out.write(f"{time.time():.3f} {late:.3f} {reclaims} {compactions}\\n")
 """
 
 
@@ -50,6 +64,15 @@ class LateBeat:
     core: int
     ended: float  # wall clock
     seconds: float
+    reclaims: int = 0  # direct reclaims the kernel counted meanwhile
+    compactions: int = 0  # and compaction stalls
+
+    def __str__(self) -> str:
+        clock = time.strftime("%H:%M:%S", time.gmtime(self.ended))
+        return (
+            f"{clock} UTC: core {self.core} {self.seconds:.1f} s late "
+            f"({self.reclaims} direct reclaims, {self.compactions} compaction stalls meanwhile)"
+        )
 
     def overlaps(self, start: float, stop: float) -> bool:
         return self.ended - self.seconds <= stop and self.ended >= start
@@ -86,8 +109,10 @@ class CpuHeartbeats:
             except OSError:
                 continue
             for line in lines:
-                ended, seconds = line.split()
-                beats.append(LateBeat(core, float(ended), float(seconds)))
+                ended, seconds, reclaims, compactions = line.split()
+                beats.append(
+                    LateBeat(core, float(ended), float(seconds), int(reclaims), int(compactions))
+                )
         return beats
 
     def during(self, start: float, stop: float) -> str:

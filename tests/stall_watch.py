@@ -81,6 +81,9 @@ class Stall:
     # (/proc's schedstat run delay): about all of it means it could run and no
     # core took it; about 0 with no CPU used, that it was stopped or asleep.
     waited: float = 0.0
+    # What the kernel did for memory meanwhile (``memory_between``): direct
+    # reclaim and compaction run in the task that allocates, on its core.
+    memory: str = ""
 
     def __str__(self) -> str:
         clock = time.strftime("%H:%M:%S", time.gmtime(self.ended))
@@ -93,6 +96,8 @@ class Stall:
             text += f"\n    during {self.test}"
         if self.main_thread:
             text += f"\n    the main thread then: {self.main_thread}"
+        if self.memory:
+            text += f"\n    memory: {self.memory}"
         return text
 
 
@@ -113,6 +118,43 @@ def run_delay(thread_id: int | None) -> float:
         return int(Path(f"/proc/self/task/{thread_id}/schedstat").read_text().split()[1]) / 1e9
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+# /proc/vmstat's counters of a kernel busy finding memory (summed by prefix).
+MEMORY_COUNTERS = {
+    "allocstall": "direct reclaims",
+    "compact_stall": "compaction stalls",
+    "pgmajfault": "major faults",
+    "pswpin": "pages swapped in",
+}
+
+
+def memory_counters() -> dict[str, int]:
+    counts = dict.fromkeys(MEMORY_COUNTERS, 0)
+    try:
+        for line in Path("/proc/vmstat").read_text().splitlines():
+            name, value = line.split()
+            for prefix in MEMORY_COUNTERS:
+                if name.startswith(prefix):
+                    counts[prefix] += int(value)
+    except (OSError, ValueError):
+        pass
+    return counts
+
+
+def memory_between(before: dict[str, int], after: dict[str, int]) -> str:
+    """The memory the machine had at the end, and what it took the kernel to find it."""
+    available = "?"
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = f"{int(line.split()[1]) / (1 << 20):.1f} GiB"
+    except (OSError, ValueError, IndexError):
+        pass
+    counts = ", ".join(
+        f"{after[name] - before.get(name, 0)} {label}" for name, label in MEMORY_COUNTERS.items()
+    )
+    return f"{available} available; meanwhile {counts}"
 
 
 def machine_load() -> str:
@@ -186,17 +228,28 @@ class StallWatch:
         last_cpu = time.process_time()
         main = threading.main_thread().native_id
         last_delay = run_delay(main)
+        last_memory = memory_counters()
         sampled = -CPU_SAMPLE_EVERY
         while True:
             time.sleep(INTERVAL)
             now, cpu, delay = _MONOTONIC(), time.process_time(), run_delay(main)
+            memory = memory_counters()
             late = now - last - INTERVAL
             used, waited = cpu - last_cpu, delay - last_delay
+            since, last_memory = last_memory, memory
             last, last_cpu, last_delay = now, cpu, delay
             if late > LATE:
                 test = os.environ.get("PYTEST_CURRENT_TEST", "")
+                at = main_thread_at()
                 stall = Stall(
-                    time.time(), late, machine_load(), used, test, main_thread_at(), waited
+                    time.time(),
+                    late,
+                    machine_load(),
+                    used,
+                    test,
+                    at,
+                    waited,
+                    memory_between(since, memory),
                 )
                 self._stalls.append(stall)
             if now - sampled >= CPU_SAMPLE_EVERY:

@@ -18,6 +18,8 @@ from tests.stall_watch import (
     LATE,
     LoopWatch,
     StallWatch,
+    memory_between,
+    memory_counters,
     report,
     stall_reports,
     warnings_logged,
@@ -39,6 +41,7 @@ def test_a_stopped_process_is_reported_as_a_stall() -> None:
     # Stopped, it used no CPU: told apart from a thread that held the GIL.
     assert stalls[0].cpu < 1.0, stalls
     assert "test_a_stopped_process_is_reported_as_a_stall" in stalls[0].test
+    assert "GiB available; meanwhile" in stalls[0].memory, stalls
     text = report(watch, start, time.time())
     assert "of CPU used by this process meanwhile" in text and "busiest processes" in text, text
 
@@ -224,3 +227,11 @@ def test_a_main_thread_that_no_core_takes_is_a_stall_spent_queued() -> None:
     assert stalls, watch.between(start, time.time())
     assert stalls[0].waited > 0.8 * stalls[0].seconds, stalls
     assert stalls[0].cpu < 0.5 * stalls[0].seconds, stalls
+
+
+def test_a_stalls_memory_line_counts_what_the_kernel_did_to_find_memory() -> None:
+    before = memory_counters()
+    after = {name: count + 3 for name, count in before.items()}
+    after["allocstall"] += 2
+    text = memory_between(before, after)
+    assert "5 direct reclaims, 3 compaction stalls, 3 major faults" in text, text
