@@ -30,8 +30,11 @@ INTERVAL = 0.5
 LATE = 2.0
 
 # A late wake-up is written with the direct reclaims and compaction stalls
-# the kernel counted meanwhile (/proc/vmstat): work it does in the task that
-# allocates, on that task's core.
+# the kernel counted meanwhile (/proc/vmstat: work it does in the task that
+# allocates, on that task's core), and how the core's own time was counted
+# meanwhile (its /proc/stat line, in seconds): user or system time means
+# something ran there all along unpreempted, steal that the host took the
+# core, irq or softirq interrupts.
 _BEAT = """
 import os, sys, time
 core, interval, late_after = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
@@ -46,16 +49,27 @@ def memory_work():
             elif line.startswith("compact_stall"):
                 counts[1] += int(line.split()[1])
     return counts
-last, last_work = time.monotonic(), memory_work()
+KINDS = ("user", "system", "idle", "irq", "softirq", "steal")
+FIELDS = (0, 2, 3, 5, 6, 7)
+TICK = os.sysconf("SC_CLK_TCK")
+def core_times():
+    with open("/proc/stat") as stat:
+        for line in stat:
+            if line.startswith(f"cpu{core} "):
+                values = line.split()[1:]
+                return [int(values[i]) / TICK for i in FIELDS]
+    return [0.0] * len(FIELDS)
+last, last_work, last_times = time.monotonic(), memory_work(), core_times()
 out = open(sys.argv[4], "a", buffering=1)  # made now: a wake-up late from here on is told
 while os.getppid() == parent:
     time.sleep(interval)
-    now, work = time.monotonic(), memory_work()
+    now, work, times = time.monotonic(), memory_work(), core_times()
     late = now - last - interval
     reclaims, compactions = work[0] - last_work[0], work[1] - last_work[1]
-    last, last_work = now, work
+    counted = ",".join(f"{k}={b - a:.1f}" for k, a, b in zip(KINDS, last_times, times))
+    last, last_work, last_times = now, work, times
     if late > late_after:
-        out.write(f"{time.time():.3f} {late:.3f} {reclaims} {compactions}\\n")
+        out.write(f"{time.time():.3f} {late:.3f} {reclaims} {compactions} {counted}\\n")
 """
 
 
@@ -66,12 +80,14 @@ class LateBeat:
     seconds: float
     reclaims: int = 0  # direct reclaims the kernel counted meanwhile
     compactions: int = 0  # and compaction stalls
+    counted: str = ""  # how the core's time was counted meanwhile ("user=3.0,system=0.1,...")
 
     def __str__(self) -> str:
         clock = time.strftime("%H:%M:%S", time.gmtime(self.ended))
         return (
             f"{clock} UTC: core {self.core} {self.seconds:.1f} s late "
-            f"({self.reclaims} direct reclaims, {self.compactions} compaction stalls meanwhile)"
+            f"({self.reclaims} direct reclaims, {self.compactions} compaction stalls meanwhile; "
+            f"the core's time counted as {self.counted.replace(',', ' ')})"
         )
 
     def overlaps(self, start: float, stop: float) -> bool:
@@ -109,9 +125,11 @@ class CpuHeartbeats:
             except OSError:
                 continue
             for line in lines:
-                ended, seconds, reclaims, compactions = line.split()
+                ended, seconds, reclaims, compactions, counted = line.split()
                 beats.append(
-                    LateBeat(core, float(ended), float(seconds), int(reclaims), int(compactions))
+                    LateBeat(
+                        core, float(ended), float(seconds), int(reclaims), int(compactions), counted
+                    )
                 )
         return beats
 
