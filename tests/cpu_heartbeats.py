@@ -33,8 +33,8 @@ LATE = 2.0
 # the kernel counted meanwhile (/proc/vmstat: work it does in the task that
 # allocates, on that task's core), and how the core's own time was counted
 # meanwhile (its /proc/stat line, in seconds): user or system time means
-# something ran there all along unpreempted, steal that the host took the
-# core, irq or softirq interrupts.
+# something ran there, iowait that it idled while a read or write was
+# pending, steal that the host took the core, irq or softirq interrupts.
 _BEAT = """
 import os, sys, time
 core, interval, late_after = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
@@ -49,8 +49,8 @@ def memory_work():
             elif line.startswith("compact_stall"):
                 counts[1] += int(line.split()[1])
     return counts
-KINDS = ("user", "system", "idle", "irq", "softirq", "steal")
-FIELDS = (0, 2, 3, 5, 6, 7)
+KINDS = ("user", "system", "idle", "iowait", "irq", "softirq", "steal")
+FIELDS = (0, 2, 3, 4, 5, 6, 7)
 TICK = os.sysconf("SC_CLK_TCK")
 def core_times():
     with open("/proc/stat") as stat:
