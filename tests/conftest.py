@@ -344,8 +344,8 @@ def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Postgr
 
 
 # A stall of the test process is told with what each core did meanwhile: a
-# core that ran nothing (its host did not run that virtual CPU) or cores that
-# ran other work (tests/cpu_heartbeats.py).
+# core nobody else got (one task kept it, or its host did not run it) or
+# cores shared as usual (tests/cpu_heartbeats.py).
 _watch = StallWatch(CpuHeartbeats())
 # Every event loop the tests run ticks for this watch (tests/stall_watch.py).
 _loops = LoopWatch(_watch)

@@ -1,17 +1,20 @@
-"""One heartbeat process pinned to each core: tells a core that ran nothing from a starved process.
+"""One heartbeat process pinned to each core: tells a core nobody else got from a busy machine.
 
 When the test process is stalled with no CPU used (tests/stall_watch.py),
-either the cores ran other work and it waited its turn, or a core ran
-nothing at all: on a virtual machine, its host did not run that virtual CPU,
-and what was queued on it waited while the other core ran on. A process
-pinned to one core that wakes every half second tells them apart: asleep,
-it is woken at once on a running core (the scheduler gives a task that
-slept priority over ones that spin), so a wake-up seconds late means that
-core did not schedule at all. It is a process, not a thread of the test
-process, which could not run without the test process's GIL.
+either the cores ran other work and it waited its turn, or one core was not
+shared at all: its host did not run that virtual CPU, or one task kept it
+(the suite's runs showed a CPU engine's model runner, bound to core 0,
+keeping it for over 20 s while the other core was busy too). A process
+pinned to one core that wakes every half second tells them apart: on a core
+that is shared, it is woken within milliseconds (even beside a spinning
+process of the highest priority), so a wake-up seconds late means nothing
+else got that core meanwhile; how the core's time was counted then (user
+time: a task kept it; steal: the host took it) says which. It is a process,
+not a thread of the test process, which could not run without the test
+process's GIL.
 
-Each heartbeat writes its late wake-ups to a file (wall-clock end and
-seconds late) and exits when the process that started it is gone.
+Each heartbeat writes its late wake-ups to a file and exits when the
+process that started it is gone.
 """
 
 from __future__ import annotations
