@@ -240,16 +240,15 @@ class StallWatch:
             last, last_cpu, last_delay = now, cpu, delay
             if late > LATE:
                 test = os.environ.get("PYTEST_CURRENT_TEST", "")
-                at = main_thread_at()
                 stall = Stall(
-                    time.time(),
-                    late,
-                    machine_load(),
-                    used,
-                    test,
-                    at,
-                    waited,
-                    memory_between(since, memory),
+                    ended=time.time(),
+                    seconds=late,
+                    load=machine_load(),
+                    cpu=used,
+                    test=test,
+                    main_thread=main_thread_at(),
+                    waited=waited,
+                    memory=memory_between(since, memory),
                 )
                 self._stalls.append(stall)
             if now - sampled >= CPU_SAMPLE_EVERY:
