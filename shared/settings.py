@@ -334,6 +334,14 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     pool: Annotated[
         str, _help("pool this worker belongs to (--config's pool name), told to gateways")
     ] = ""
+    engine_busy_wait: Annotated[
+        float,
+        _help(
+            "CPU engines: seconds a vLLM process spins waiting for the next step before it "
+            "sleeps (vLLM's own window, 1 s, keeps a second core busy for as long as the "
+            "model computes); GPU engines keep vLLM's window"
+        ),
+    ] = 0.002
     log_format: LogFormat = "text"
     # The log level is vLLM's own --log-level flag (DEBUG, INFO, ...).
 

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import MutableMapping
 
 from shared import settings
 from shared.logs import setup_logging
@@ -94,6 +95,29 @@ def apply_cpu_defaults(namespace: argparse.Namespace) -> None:
     )
 
 
+def apply_busy_wait(
+    worker_settings: settings.WorkerSettings, environ: MutableMapping[str, str]
+) -> None:
+    """On a CPU engine, vLLM's processes spin for at most ``--engine-busy-wait``
+    seconds before they sleep (worker.engine_plugin reads the variable in each
+    of them); on a GPU, vLLM's own window."""
+    from vllm.platforms import current_platform
+
+    from worker import engine_plugin
+
+    if worker_settings.engine_busy_wait < 0:
+        settings.refuse("llmgate worker: --engine-busy-wait must be at least 0")
+    if not current_platform.is_cpu():
+        environ.pop(engine_plugin.ENV, None)
+        return
+    environ[engine_plugin.ENV] = str(worker_settings.engine_busy_wait)
+    log.info(
+        "CPU engine: vLLM's processes spin at most %g s for the next step, then sleep "
+        "(vLLM's own window: 1 s; --engine-busy-wait)",
+        worker_settings.engine_busy_wait,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
     # Before vLLM reads its settings: its IPC sockets in a directory of our
@@ -116,6 +140,7 @@ def _main(argv: list[str] | None) -> None:
     _check_keys(worker_settings)
     apply_embedded_model_defaults(namespace)
     apply_cpu_defaults(namespace)
+    apply_busy_wait(worker_settings, os.environ)
     if namespace.lora_modules:
         namespace.enable_lora = True  # as `vllm serve` needs it for --lora-modules
     _check_serve_args(namespace)

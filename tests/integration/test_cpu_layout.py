@@ -3,7 +3,8 @@ core, none held back for vLLM's front end) is checked where a system of its
 own starts (``tests/integration/test_launcher_processes.py``); here, the
 session's worker, whose environment sets ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``
 (``tests/conftest.py``), shows the environment winning over the default,
-and its KV cache the CPU default's 32-token blocks."""
+its KV cache the CPU default's 32-token blocks, and vLLM's engine core
+sleeping while the model computes."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import re
 import time
 
 import httpx
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.at_once import at_once, raised
 from tests.conftest import MODEL, Served
 from worker.main import CPU_BLOCK_SIZE
 
@@ -71,3 +74,36 @@ def test_a_cpu_worker_reuses_prefixes_in_32_token_blocks(served: Served) -> None
     assert first_hits == 0  # a prompt of its own
     _, hits = send()
     assert hits == (prompt_tokens - 1) // CPU_BLOCK_SIZE * CPU_BLOCK_SIZE, (prompt_tokens, hits)
+
+
+def engine_processes(served: Served) -> dict[str, psutil.Process]:
+    """vLLM's engine core and model runner under the session's worker (vLLM
+    names them ``VLLM::EngineCore`` and ``VLLM::Worker``)."""
+    found = {}
+    for proc in psutil.Process(served.proc.pid).children(recursive=True):
+        name = proc.name()
+        if name.startswith("VLLM::"):
+            found[name.removeprefix("VLLM::")[:6]] = proc
+    assert set(found) == {"Engine", "Worker"}, found
+    return found
+
+
+def test_vllms_engine_core_sleeps_while_the_model_computes(served: Served) -> None:
+    # The session's engine computes on core 0 and leaves core 1 to the rest
+    # (tests/conftest.py). vLLM's engine core waits for each step's result
+    # spinning for up to 1 s: under load, for as long as the model computes,
+    # a core burnt (measured: 23.9 CPU-s of 24.8 s while its model runner
+    # used 24.4). The worker caps that spin (--engine-busy-wait, 2 ms).
+    served.wait_for_log("CPU engine: vLLM's processes spin at most 0.002 s")
+    processes = engine_processes(served)
+    before = {name: sum(p.cpu_times()[:2]) for name, p in processes.items()}
+    body = {"model": MODEL, "prompt": "Count:", "max_tokens": 96, "ignore_eos": True}
+
+    def send(index: int) -> None:
+        response = httpx.post(f"{served.base_url}/v1/completions", json=body, timeout=300)
+        assert response.status_code == 200, (index, response.text)
+
+    assert not raised(at_once(4, send))
+    used = {name: sum(p.cpu_times()[:2]) - before[name] for name, p in processes.items()}
+    assert used["Worker"] > 2, used  # the model computed for a while
+    assert used["Engine"] < used["Worker"] / 3, used

@@ -43,6 +43,7 @@ from tests.integration.parity_cases import (
     covered_fields,
     field_cases,
 )
+from worker import engine_plugin
 from worker.main import CPU_BLOCK_SIZE
 
 pytestmark = pytest.mark.slow  # starts a second engine
@@ -78,7 +79,11 @@ def launch_system(directory: Path) -> prestart.Launched:
         *LLMGATE_DEFAULTS,
         *cpu_defaults(),
     ]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}  # as the llmgate worker has it
+    # As the llmgate worker has them: a 1 GiB KV cache, and vLLM's processes
+    # sleeping rather than spinning between steps (worker.engine_plugin, in
+    # this environment's vLLM too; it changes when a process waits, not what
+    # the engine computes), so the two engines do not spin on each other's core.
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", engine_plugin.ENV: "0.002"}
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) >= 2:
         # The session's lone worker computes on the first core (vLLM's CPU
