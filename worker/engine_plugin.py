@@ -20,6 +20,8 @@ import os
 from typing import Any
 
 ENV = "LLMGATE_ENGINE_BUSY_WAIT"
+# The entry point's name (pyproject.toml), as VLLM_PLUGINS would list it.
+NAME = "llmgate_busy_wait"
 
 log = logging.getLogger(__name__)
 

@@ -105,12 +105,19 @@ def apply_busy_wait(
 
     from worker import engine_plugin
 
-    if worker_settings.engine_busy_wait < 0:
+    if not worker_settings.engine_busy_wait >= 0:  # NaN too
         settings.refuse("llmgate worker: --engine-busy-wait must be at least 0")
     if not current_platform.is_cpu():
         environ.pop(engine_plugin.ENV, None)
         return
     environ[engine_plugin.ENV] = str(worker_settings.engine_busy_wait)
+    allowed = environ.get("VLLM_PLUGINS")
+    if allowed is not None and engine_plugin.NAME not in allowed.split(","):
+        log.warning(
+            "VLLM_PLUGINS=%r leaves out %s: vLLM's processes keep their own busy wait",
+            allowed,
+            engine_plugin.NAME,
+        )
     log.info(
         "CPU engine: vLLM's processes spin at most %g s for the next step, then sleep "
         "(vLLM's own window: 1 s; --engine-busy-wait)",

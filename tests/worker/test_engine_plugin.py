@@ -68,8 +68,31 @@ def test_a_cpu_worker_hands_its_setting_to_vllms_processes() -> None:
     assert environ == {engine_plugin.ENV: "0.5"}
 
 
-def test_a_negative_window_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("seconds", [-1.0, float("nan")])
+def test_a_negative_window_is_refused(seconds: float, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        worker_main.apply_busy_wait(settings.WorkerSettings(engine_busy_wait=-1), {})
+        worker_main.apply_busy_wait(settings.WorkerSettings(engine_busy_wait=seconds), {})
     assert exit_info.value.code == settings.SETTINGS_ERROR_STATUS
     assert "--engine-busy-wait must be at least 0" in capsys.readouterr().err
+
+
+def test_a_worker_says_when_vllm_is_told_to_leave_the_plugin_out(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        worker_main.apply_busy_wait(settings.WorkerSettings(), {"VLLM_PLUGINS": "other"})
+    assert "leaves out llmgate_busy_wait" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        environ = {"VLLM_PLUGINS": f"other,{engine_plugin.NAME}"}
+        worker_main.apply_busy_wait(settings.WorkerSettings(), environ)
+    assert caplog.text == ""
+
+
+def test_the_plugins_name_is_the_entry_points() -> None:
+    from importlib.metadata import entry_points
+
+    (entry,) = [
+        e for e in entry_points(group="vllm.general_plugins") if e.name == engine_plugin.NAME
+    ]
+    assert entry.value == "worker.engine_plugin:register"
