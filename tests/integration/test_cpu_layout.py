@@ -13,9 +13,9 @@ import re
 import time
 
 import httpx
-import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtest import capacity
 from tests.at_once import at_once, raised
 from tests.conftest import MODEL, Served
 from worker.main import CPU_BLOCK_SIZE
@@ -76,18 +76,6 @@ def test_a_cpu_worker_reuses_prefixes_in_32_token_blocks(served: Served) -> None
     assert hits == (prompt_tokens - 1) // CPU_BLOCK_SIZE * CPU_BLOCK_SIZE, (prompt_tokens, hits)
 
 
-def engine_processes(served: Served) -> dict[str, psutil.Process]:
-    """vLLM's engine core and model runner under the session's worker (vLLM
-    names them ``VLLM::EngineCore`` and ``VLLM::Worker``)."""
-    found = {}
-    for proc in psutil.Process(served.proc.pid).children(recursive=True):
-        name = proc.name()
-        if name.startswith("VLLM::"):
-            found[name.removeprefix("VLLM::")[:6]] = proc
-    assert set(found) == {"Engine", "Worker"}, found
-    return found
-
-
 def test_vllms_engine_core_sleeps_while_the_model_computes(served: Served) -> None:
     # The session's engine computes on core 0 and leaves core 1 to the rest
     # (tests/conftest.py). vLLM's engine core waits for each step's result
@@ -95,7 +83,12 @@ def test_vllms_engine_core_sleeps_while_the_model_computes(served: Served) -> No
     # a core burnt (measured: 23.9 CPU-s of 24.8 s while its model runner
     # used 24.4). The worker caps that spin (--engine-busy-wait, 2 ms).
     served.wait_for_log("CPU engine: vLLM's processes spin at most 0.002 s")
-    processes = engine_processes(served)
+    # vLLM's engine core and model runner under the session's worker, as the
+    # soak labels them (vLLM names them with setproctitle).
+    roles = capacity.server_processes(served.proc.pid, split_engine=True)
+    (engine_core,) = roles["worker/VLLM::EngineCore"]
+    (model_runner,) = roles["worker/VLLM::Worker"]
+    processes = {"Engine": engine_core, "Worker": model_runner}
     before = {name: sum(p.cpu_times()[:2]) for name, p in processes.items()}
     body = {"model": MODEL, "prompt": "Count:", "max_tokens": 96, "ignore_eos": True}
 

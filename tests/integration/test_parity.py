@@ -27,6 +27,7 @@ import httpx
 import pytest
 
 from shared.embedded import default_model_dir
+from shared.settings import WorkerSettings
 from tests import prestart
 from tests.conftest import (
     STARTUP_TIMEOUT,
@@ -83,7 +84,8 @@ def launch_system(directory: Path) -> prestart.Launched:
     # sleeping rather than spinning between steps (worker.engine_plugin, in
     # this environment's vLLM too; it changes when a process waits, not what
     # the engine computes), so the two engines do not spin on each other's core.
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", engine_plugin.ENV: "0.002"}
+    busy_wait = str(WorkerSettings().engine_busy_wait)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", engine_plugin.ENV: busy_wait}
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) >= 2:
         # The session's lone worker computes on the first core (vLLM's CPU
