@@ -211,8 +211,29 @@ _PER_KIND = {
 }
 
 
+# Fields that only steer what the engine samples, or which prompt it gets:
+# they reach vLLM's sampling parameters and prompt the same way whether the
+# answer is streamed or not, and change nothing in how a stream's chunks are
+# made. Each is sent whole only; the stream path is the other cases' (every
+# field that shapes an answer's events: logprobs, echo, n, stop strings, token
+# ids, detokenizing, tools, reasoning, limits and finish reasons, the stream
+# options) and each of those is sent both ways.
+_WHOLE_ONLY = {
+    *("add_special_tokens", "allowed_token_ids", "bad_words", "cache_salt"),
+    *("ec_transfer_params", "frequency_penalty", "kv_transfer_params", "logit_bias"),
+    *("min_p", "mm_payload", "model", "presence_penalty", "priority", "repetition_penalty"),
+    *("request_id", "routed_experts_prompt_start", "seed", "session_id", "temperature"),
+    *("top_k", "top_p", "truncate_prompt_tokens", "truncation_side", "user", "vllm_xargs"),
+    *("watermarking", "return_mm_kwargs", "prompt_embeds"),
+    # chat: the prompt the template makes
+    *("chat_template", "chat_template_kwargs", "documents", "media_io_kwargs"),
+    *("mm_processor_kwargs", "messages"),
+}
+
+
 def field_cases() -> list[tuple[str, str, dict[str, Any]]]:
-    """(name, path, body) per field of each request type, whole and streamed."""
+    """(name, path, body) per field of each request type: whole, and streamed
+    unless the field only steers sampling or the prompt (``_WHOLE_ONLY``)."""
     out = []
     for kind, path, base, own in (
         ("completion", "/v1/completions", _CMPL_BASE, _COMPLETION_ONLY),
@@ -220,7 +241,7 @@ def field_cases() -> list[tuple[str, str, dict[str, Any]]]:
     ):
         fields = {**_SHARED_FIELDS, **_PER_KIND[kind], **own}
         for field, extra in fields.items():
-            for stream in (False, True):
+            for stream in (False,) if field in _WHOLE_ONLY else (False, True):
                 body: dict[str, Any] = {"model": MODEL, "temperature": 0, **base, **extra}
                 body = {k: v for k, v in body.items() if v is not None}
                 body["stream"] = stream

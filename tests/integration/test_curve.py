@@ -98,7 +98,12 @@ def curve_served(curve_system: tuple[KeyFiles, Served]) -> Served:
 def start_unready_gateway(log_path: Path, workers: str, *flags: str) -> Served:
     """A lone gateway, returned once its HTTP server is up, healthy workers or not."""
     port = free_port()
-    argv = [sys.executable, "-m", "gateway.main", "--workers", workers, "--port", str(port)]
+    # A request waits --startup-timeout for a healthy worker before its 503:
+    # one second, not five, as none is coming.
+    argv = [
+        *(sys.executable, "-m", "gateway.main", "--workers", workers, "--port", str(port)),
+        *("--startup-timeout", "1"),
+    ]
     log_file = log_path.open("wb")
     proc = subprocess.Popen([*argv, *flags], cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
     gateway = Served(proc, f"http://127.0.0.1:{port}", log_path)

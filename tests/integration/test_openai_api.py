@@ -84,9 +84,9 @@ def test_streaming_chat_arrives_in_chunks_before_the_end(client: openai.OpenAI) 
         model=MODEL,
         messages=[{"role": "user", "content": "Tell me about dogs."}],
         # Seconds of generation (ignore_eos): the chunks' count and spread
-        # below hold unless this process stalls for all of it (40 tokens could
-        # come in a burst, or merge into few chunks, on a busy machine).
-        max_tokens=200,
+        # below hold unless this process, or the worker's front end, stalls
+        # for all of it (vLLM then merges the outputs into few chunks).
+        max_tokens=64,
         extra_body={"ignore_eos": True},
         temperature=0,
         stream=True,
@@ -115,7 +115,7 @@ def test_streaming_chat_arrives_in_chunks_before_the_end(client: openai.OpenAI) 
     whole = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "Tell me about dogs."}],
-        max_tokens=200,
+        max_tokens=64,
         extra_body={"ignore_eos": True},
         temperature=0,
     )
