@@ -4,8 +4,11 @@
 # sessions at once. The integration tests leave a core idle much of the time
 # (a request goes through one process after another), which the ~3 minutes
 # of the others fill; each session has its own systems, ports, base directory
-# and state store (tests/conftest.py). The other session's report follows the
-# integration one's; the status is non-zero when either failed.
+# and state store (tests/conftest.py). The others run at a lower priority
+# (nice 10): they end minutes before the integration session, whose length is
+# the suite's, so where both want a core the integration tests get it. The
+# other session's report follows the integration one's; the status is
+# non-zero when either failed.
 #
 # Arguments go to both; when one names tests by path (tests/gateway,
 # tests/x.py::test_y), a single session runs what they name.
@@ -21,7 +24,7 @@ done
 
 others_log=$(mktemp -t llmgate-tests-XXXXXX.log)
 trap 'rm -f "$others_log"' EXIT
-"${PYTEST[@]}" tests --ignore=tests/integration "$@" >"$others_log" 2>&1 &
+nice -n 10 "${PYTEST[@]}" tests --ignore=tests/integration "$@" >"$others_log" 2>&1 &
 others=$!
 "${PYTEST[@]}" tests/integration "$@"
 integration_status=$?

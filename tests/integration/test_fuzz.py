@@ -54,7 +54,7 @@ def cheap(route: str, body: Any) -> Any:
         return body
     if route.startswith("/v1/"):
         body["model"] = MODEL
-        body["max_tokens"] = min(body.get("max_tokens") or 4, 4)
+        body["max_tokens"] = min(body.get("max_tokens") or 2, 2)
         body.pop("max_completion_tokens", None)
         if isinstance(body.get("n"), int):
             body["n"] = min(body["n"], 2)
@@ -63,7 +63,7 @@ def cheap(route: str, body: Any) -> Any:
     else:
         body.pop("model", None)
         parameters = body.setdefault("parameters", {})
-        parameters["max_new_tokens"] = min(parameters.get("max_new_tokens") or 4, 4)
+        parameters["max_new_tokens"] = min(parameters.get("max_new_tokens") or 2, 2)
     return body
 
 
