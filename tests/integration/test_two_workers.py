@@ -13,7 +13,7 @@ import json
 import re
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -233,15 +233,12 @@ def test_killing_a_worker_while_32_clients_stream(two: Served) -> None:
             # within a second or two of the first tokens; were the streams to
             # end first, the gateway would have taken the victim out while it
             # worked: that is a finding, not bad luck, and fails here.
-            streaming = asyncio.ensure_future(victim_streams.wait())
-            settled = asyncio.ensure_future(asyncio.wait(tasks))
-            await asyncio.wait([streaming, settled], return_when=asyncio.FIRST_COMPLETED)
-            settled.cancel()
-            if not streaming.done():
-                streaming.cancel()
-                raise AssertionError(
-                    f"the streams ended with fewer than 4 from the victim\n{two.log_tail()}"
-                )
+            await loaded_or_fail(
+                victim_streams.wait(),
+                tasks,
+                two,
+                "the streams ended with fewer than 4 from the victim",
+            )
             killed_at = time.monotonic()
             victim.send_signal(signal.SIGKILL)
             detection = await detect(client, killed_at)
@@ -384,22 +381,33 @@ async def load_victim(
         )
         for i in range(8)
     ]
-    loaded = asyncio.ensure_future(
+    loaded = (
         streaming.wait()
         if until_streaming
         else until(
             client, "llmgate_worker_in_flight", victim_address, lambda v: v >= 4, two, within=600
         )
     )
-    sent: list[asyncio.Future[Any]] = [*streams, *whole]
-    settled = asyncio.ensure_future(asyncio.wait(sent))
-    await asyncio.wait([loaded, settled], return_when=asyncio.FIRST_COMPLETED)
-    settled.cancel()
-    if not loaded.done():
-        loaded.cancel()
-        raise AssertionError(f"the requests ended without loading the victim\n{two.log_tail()}")
-    loaded.result()
+    await loaded_or_fail(
+        loaded, [*streams, *whole], two, "the requests ended without loading the victim"
+    )
     return streams, whole
+
+
+async def loaded_or_fail(
+    loaded: Awaitable[Any], sent: Sequence[asyncio.Future[Any]], two: Served, failure: str
+) -> None:
+    """Wait until the victim is loaded (``loaded`` returns) or every request in
+    ``sent`` has settled, whichever comes first; fail with the log (``failure``)
+    if they settled first: the gateway then took a working worker out."""
+    loading = asyncio.ensure_future(loaded)
+    settled = asyncio.ensure_future(asyncio.wait(sent))
+    await asyncio.wait([loading, settled], return_when=asyncio.FIRST_COMPLETED)
+    settled.cancel()
+    if not loading.done():
+        loading.cancel()
+        raise AssertionError(f"{failure}\n{two.log_tail()}")
+    loading.result()
 
 
 def hung_processes(two: Served, victim_address: str) -> list[psutil.Process]:
