@@ -12,11 +12,13 @@ import json
 import re
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from tokenizers import Tokenizer
 
 from tests.conftest import MODEL, Served
 
@@ -31,6 +33,14 @@ PERSON = {
 @pytest.fixture(scope="module")
 def client(base_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(served: Served) -> Tokenizer:
+    """The session model's tokenizer.json, read by the tokenizers library
+    (the fast tokenizer vLLM's wraps): importing transformers for it cost the
+    integration session 20-27 s of its critical path."""
+    return Tokenizer.from_file(str(Path(served.model_dir) / "tokenizer.json"))
 
 
 def test_json_schema_output_validates(client: openai.OpenAI) -> None:
@@ -106,12 +116,10 @@ def test_echo_returns_the_prompt_then_the_completion(client: openai.OpenAI) -> N
 
 
 def test_echo_with_logprobs_scores_the_prompt_tokens_too(
-    client: openai.OpenAI, served: Served
+    client: openai.OpenAI, tokenizer: Tokenizer
 ) -> None:
-    from transformers import AutoTokenizer
-
     prompt = "The capital of France is"
-    prompt_tokens = len(AutoTokenizer.from_pretrained(served.model_dir).encode(prompt))
+    prompt_tokens = len(tokenizer.encode(prompt).ids)
     echoed = client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1
     )
@@ -138,11 +146,8 @@ def test_echo_with_logprobs_scores_the_prompt_tokens_too(
     assert streamed == logprobs.tokens
 
 
-def test_echo_of_token_ids_decodes_them(client: openai.OpenAI, served: Served) -> None:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(served.model_dir)
-    ids = tokenizer.encode("Hello there, friend", add_special_tokens=False)
+def test_echo_of_token_ids_decodes_them(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("Hello there, friend", add_special_tokens=False).ids
     plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0)
     echoed = client.completions.create(
         model=MODEL, prompt=ids, max_tokens=3, temperature=0, echo=True
