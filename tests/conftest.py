@@ -69,9 +69,10 @@ class Served:
         text = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(text[-lines:])
 
-    def wait_for_log(self, text: str, timeout: float = 10, since: int = 0) -> str:
+    def wait_for_log(self, text: str, timeout: float = 60, since: int = 0) -> str:
         """The log (from character ``since`` on) once ``text`` is in it; fails,
-        showing the log's tail, after ``timeout``."""
+        showing the log's tail, after ``timeout`` (a hang guard: a process at a
+        small share of a core may log what it must seconds late)."""
         deadline = time.monotonic() + timeout
         while True:
             log = self.log_path.read_text(errors="replace")[since:]

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from tests.cpu_heartbeats import INTERVAL, CpuHeartbeats
 from tests.stall_watch import (
     LATE,
     LoopWatch,
+    Stall,
     StallWatch,
     memory_between,
     memory_counters,
@@ -27,6 +29,19 @@ from tests.stall_watch import (
 )
 
 
+def recorded(watch: StallWatch, start: float, wanted: Callable[[Stall], bool]) -> list[Stall]:
+    """The stalls since ``start`` that ``wanted`` picks, once there is one: the
+    watch's thread records a stall at its next wake-up, which a process given
+    a small share of a core may get late (fails after 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        stalls = [s for s in watch.between(start, time.time()) if wanted(s)]
+        if stalls:
+            return stalls
+        assert time.monotonic() < deadline, watch.between(start, time.time())
+        time.sleep(0.2)
+
+
 def test_a_stopped_process_is_reported_as_a_stall() -> None:
     watch = StallWatch()
     start = time.time()
@@ -35,9 +50,7 @@ def test_a_stopped_process_is_reported_as_a_stall() -> None:
         ["sh", "-c", f"sleep 0.5; kill -STOP {os.getpid()}; sleep 4; kill -CONT {os.getpid()}"]
     )
     stopper.wait()
-    time.sleep(1.5)  # the watch's next wake-up, after the stop
-    stalls = [s for s in watch.between(start, time.time()) if 4 - LATE < s.seconds < 60]
-    assert stalls, watch.between(start, time.time())
+    stalls = recorded(watch, start, lambda s: 4 - LATE < s.seconds < 60)
     # Stopped, it used no CPU: told apart from a thread that held the GIL.
     assert stalls[0].cpu < 1.0, stalls
     assert "test_a_stopped_process_is_reported_as_a_stall" in stalls[0].test
@@ -79,11 +92,7 @@ def test_a_thread_holding_the_gil_is_a_stall_with_the_cpu_it_used() -> None:
     finally:
         sys.setswitchinterval(interval)
     held_until = time.time()
-    time.sleep(1.5)
-    stalls = [
-        s for s in watch.between(start, time.time()) if s.seconds > LATE and s.ended >= held_until
-    ]
-    assert stalls, watch.between(start, time.time())
+    stalls = recorded(watch, start, lambda s: s.seconds > LATE and s.ended >= held_until)
     assert stalls[0].cpu >= 0.9 * used, (used, stalls)
     assert "test_stall_watch.py" in stalls[0].main_thread, stalls
 
@@ -229,9 +238,7 @@ def test_a_main_thread_that_no_core_takes_is_a_stall_spent_queued() -> None:
         sys.setswitchinterval(interval)
         os.sched_setaffinity(0, affinity)
         spinner.wait(timeout=60)
-    time.sleep(1.5)
-    stalls = [s for s in watch.between(start, time.time()) if s.seconds > LATE]
-    assert stalls, watch.between(start, time.time())
+    stalls = recorded(watch, start, lambda s: s.seconds > LATE)
     assert stalls[0].waited > 0.8 * stalls[0].seconds, stalls
     assert stalls[0].cpu < 0.5 * stalls[0].seconds, stalls
 

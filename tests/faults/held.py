@@ -42,7 +42,8 @@ class HeldWorker:
     def say(self, word: str) -> None:
         """``release``: held requests (and later ones) run to their end; ``hold``: hold again."""
         with zmq.Context.instance().socket(zmq.PUSH) as sock:
-            sock.setsockopt(zmq.LINGER, 2000)
+            # Delivered even to a worker slow to take it (a small share of a core).
+            sock.setsockopt(zmq.LINGER, 60_000)
             sock.connect(self.control)
             sock.send(word.encode())
         self.wait_for_log(f"fake engine: {word}")

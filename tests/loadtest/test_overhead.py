@@ -24,14 +24,14 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest import wrk
+from loadtest import overhead_servers, wrk
 from loadtest.fake_engine import TOKEN_TEXT, FakeEngine
 from loadtest.overhead_servers import start_llmgate
 from loadtest.pinning import plan_cores
 from loadtest.wrk import Scenario
 from loadtest.zero_cost_http import ZeroCostApp
 from shared import protocol
-from tests.conftest import ROOT, Served, free_port, start_gateway, stop_serve
+from tests.conftest import PATIENCE, ROOT, Served, free_port, start_gateway, stop_serve
 
 MODEL = "smollm2-135m-instruct"
 
@@ -153,7 +153,7 @@ def test_fake_worker_answers_through_the_gateway(fake_gateway: Served) -> None:
     response = httpx.post(
         f"{fake_gateway.base_url}/v1/completions",
         json={"model": MODEL, "prompt": "Hello there", "max_tokens": 5},
-        timeout=10,
+        timeout=60,
     )
     assert response.status_code == 200, response.text
     body = response.json()
@@ -173,7 +173,7 @@ def test_fake_worker_streams_through_the_gateway(fake_gateway: Served) -> None:
             "max_tokens": 3,
             "stream": True,
         },
-        timeout=10,
+        timeout=60,
     )
     events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -186,7 +186,7 @@ def test_fake_worker_refuses_an_unknown_model_like_a_real_one(fake_gateway: Serv
     response = httpx.post(
         f"{fake_gateway.base_url}/v1/completions",
         json={"model": "no-such-model", "prompt": "x", "max_tokens": 1},
-        timeout=10,
+        timeout=60,
     )
     assert response.status_code == 404
 
@@ -204,15 +204,19 @@ def test_many_concurrent_requests_all_complete(fake_gateway: Served) -> None:
     assert all(r.json()["choices"][0]["text"] == TOKEN_TEXT * 2 for r in responses)
 
 
-def test_the_ipc_target_links_gateway_and_worker_by_a_unix_socket(tmp_path: Path) -> None:
+def test_the_ipc_target_links_gateway_and_worker_by_a_unix_socket(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``--targets ...,llmgate-ipc``: the same hop over ``ipc://``, its socket
     removed when the harness stops."""
     plan = plan_cores(sorted(os.sched_getaffinity(0)))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # The suite's patience: each process pinned to one core that others want.
+    monkeypatch.setattr(overhead_servers, "STARTUP_TIMEOUT", 600.0)
+    env = {**os.environ, **PATIENCE, "PYTHONPATH": str(ROOT)}
     with contextlib.ExitStack() as stack:
         target = start_llmgate(stack, "llmgate-ipc", plan, tmp_path, env)
         wrk.check_answer(target.url, Scenario("stream", 1, True, 3))
-        metrics = httpx.get(f"{target.url}/metrics", timeout=10).text
+        metrics = httpx.get(f"{target.url}/metrics", timeout=60).text
         (healthy,) = [
             sample
             for family in text_string_to_metric_families(metrics)

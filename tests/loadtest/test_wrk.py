@@ -59,7 +59,7 @@ def test_wrk_script_runs_under_wrk(tmp_path: Path) -> None:
                 "wrk",
                 "-t1",
                 "-c1",
-                "-d1s",
+                "-d3s",
                 "-s",
                 str(script),
                 f"http://127.0.0.1:{port}/v1/completions",

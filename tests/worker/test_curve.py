@@ -31,6 +31,22 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 # Long enough for several reconnects (100 ms, doubling) to have been refused.
 NOTHING_FOR = 1.5
+# A bound on what must come (a message, a log line): a hang guard, with room
+# for a test process that gets a small share of a core.
+ARRIVES_WITHIN = 30.0
+
+
+Said = list[tuple[str, str]]  # (logger, message) of each record
+
+
+async def logged(caplog: pytest.LogCaptureFixture, found: Callable[[Said], bool]) -> Said:
+    """What was logged, once ``found`` holds for it (within ARRIVES_WITHIN)."""
+    async with asyncio.timeout(ARRIVES_WITHIN):
+        while True:
+            said = [(r.name, r.getMessage()) for r in caplog.records]
+            if found(said):
+                return said
+            await asyncio.sleep(0.05)
 
 
 @dataclass
@@ -156,17 +172,18 @@ async def test_a_gateway_with_the_right_keys_talks_to_the_worker(
     worker: Worker, connect: Connect, curve_keys: Keys
 ) -> None:
     gateway = connect(worker.address, curve_keys.gateway)
-    frames = await worker.receive(seconds=5)
+    frames = await worker.receive(seconds=ARRIVES_WITHIN)
     assert frames is not None, "the worker heard nothing"
     identity, body = frames
     assert identity == b"gw-test"
     assert isinstance(protocol.worker_decoder().decode(body), protocol.Ping)
     beat = protocol.Heartbeat(worker_id="w", incarnation="i", models=["m"])
     await worker.router.send_multipart([identity, protocol.encoder().encode(beat)])
-    for _ in range(100):
-        if gateway.received:
-            break
-        await asyncio.sleep(0.02)
+    async with asyncio.timeout(ARRIVES_WITHIN):
+        while True:
+            if gateway.received:
+                break
+            await asyncio.sleep(0.02)
     assert gateway.received == [beat]
 
 
@@ -183,14 +200,19 @@ async def test_an_unknown_client_key_gets_nothing_and_the_worker_logs_it(
     assert await worker.receive(seconds=NOTHING_FOR) is None
     assert not gateway.connected.is_set()
     assert not gateway.link.send(protocol.Ping(gateway_id="gw-test", sent_at=1.0))
-    denials = [r.getMessage() for r in caplog.records if "ZAP denied" in r.getMessage()]
+    said = await logged(
+        caplog,
+        lambda said: (
+            any("ZAP denied" in m for _, m in said)
+            and any(
+                n == "gateway.transport" and "refused this gateway's CURVE key" in m
+                for n, m in said
+            )
+        ),
+    )
+    denials = [m for _, m in said if "ZAP denied" in m]
     assert len(denials) == 1, "once, not on every reconnect"
     assert public.decode() in denials[0]
-    assert any(
-        "refused this gateway's CURVE key" in r.getMessage()
-        for r in caplog.records
-        if r.name == "gateway.transport"
-    )
 
 
 async def test_a_plaintext_client_gets_nothing(
@@ -199,11 +221,18 @@ async def test_a_plaintext_client_gets_nothing(
     gateway = connect(worker.address, None)
     assert await worker.receive(seconds=NOTHING_FOR) is None
     assert not gateway.connected.is_set()
+
     # Logged once on each side, not on every reconnect; in words that depend on
     # which side noticed the mismatch first.
-    said = [(r.name, r.getMessage()) for r in caplog.records]
-    assert len([m for n, m in said if n == "worker.liveness" and "a client failed the" in m]) == 1
-    assert len([m for n, m in said if n == "gateway.transport" and "handshake with" in m]) == 1
+    def worker_said(said: Said) -> list[str]:
+        return [m for n, m in said if n == "worker.liveness" and "a client failed the" in m]
+
+    def gateway_said(said: Said) -> list[str]:
+        return [m for n, m in said if n == "gateway.transport" and "handshake with" in m]
+
+    said = await logged(caplog, lambda said: bool(worker_said(said) and gateway_said(said)))
+    assert len(worker_said(said)) == 1
+    assert len(gateway_said(said)) == 1
 
 
 async def test_a_raw_plaintext_dealer_gets_nothing(worker: Worker) -> None:
@@ -254,7 +283,7 @@ async def test_a_refused_gateway_gets_in_once_its_key_is_added_without_restarts(
     gateway = connect(worker.address, newcomer)
     assert await worker.receive(seconds=1.0) is None
     shutil.copy(tmp_path / "strangers" / "newcomer.key", curve_keys.worker.authorized_dir)
-    assert await worker.receive(seconds=5) is not None
+    assert await worker.receive(seconds=ARRIVES_WITHIN) is not None
     assert gateway.connected.is_set()
 
 
@@ -275,7 +304,7 @@ async def test_a_frame_over_the_limit_is_dropped_and_the_socket_lives_on(worker:
     small = ctx.socket(zmq.DEALER)
     small.connect(worker.address)
     await small.send(b"fits")
-    frames = await worker.receive(seconds=5)
+    frames = await worker.receive(seconds=ARRIVES_WITHIN)
     assert frames is not None and frames[1] == b"fits"
     big.close(0)
     small.close(0)

@@ -73,7 +73,7 @@ async def make(
 
 
 async def finished(store: Batches, batch_id: str) -> dict[str, Any]:
-    async with asyncio.timeout(10):
+    async with asyncio.timeout(60):  # a hang guard
         while True:
             batch = store.get(batch_id)
             assert batch is not None

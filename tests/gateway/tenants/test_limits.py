@@ -170,7 +170,9 @@ async def test_windows_free_as_time_passes(limiter: Limiter) -> None:
     entry = key(tokens_per_minute=6000)
     started = time.monotonic()
     await take(limiter, entry, 6000)
-    await refused(limiter, entry, earned(6000, started) + 1)
+    # Over what came back so far by 1000 (10 s of refill): refused however
+    # slowly this process reaches the store (it may run at a small share of a core).
+    await refused(limiter, entry, earned(6000, started) + 1000)
     deadline = time.monotonic() + 30  # a failure bound: 100 free within a second
     while True:
         try:
@@ -217,7 +219,9 @@ async def test_a_killed_gateway_holds_its_slots_only_until_its_lease_lapses(
 ) -> None:
     killed = Limiter(redis_server.url, timeout=PATIENT)
     other = Limiter(redis_server.url, timeout=PATIENT)
-    killed.redis = RedisLimits(redis_server.url, lease_seconds=1.0, timeout=PATIENT)
+    # 5 s: the refusal below must reach Redis before the lease lapses, on a
+    # machine that may give this process a small share of a core.
+    killed.redis = RedisLimits(redis_server.url, lease_seconds=5.0, timeout=PATIENT)
     entry = key(max_concurrent=1)
     try:
         await take(killed, entry)  # never ended, never renewed: the process died
@@ -231,7 +235,8 @@ async def test_a_killed_gateway_holds_its_slots_only_until_its_lease_lapses(
 async def test_a_slot_an_unanswered_admission_took_is_released_once_redis_answers(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(limits_module, "LEASE_SECONDS", 0.6)  # looked at every 0.2 s
+    # Looked at every second; the orphan is kept 3 s (room for a late look).
+    monkeypatch.setattr(limits_module, "LEASE_SECONDS", 3.0)
     limiter = Limiter(redis_server.url, timeout=PATIENT)
     other = Limiter(redis_server.url, timeout=PATIENT)
     assert limiter.redis is not None
@@ -257,9 +262,10 @@ async def test_a_slot_an_unanswered_admission_took_is_released_once_redis_answer
 async def test_leases_of_running_requests_are_renewed(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(limits_module, "LEASE_SECONDS", 0.6)  # renewed every 0.2 s
+    # Renewed every second: a renewal up to 2 s late still keeps it.
+    monkeypatch.setattr(limits_module, "LEASE_SECONDS", 3.0)
     limiter = Limiter(redis_server.url, timeout=PATIENT)
-    store = limiter.redis = RedisLimits(redis_server.url, lease_seconds=0.6, timeout=PATIENT)
+    store = limiter.redis = RedisLimits(redis_server.url, lease_seconds=3.0, timeout=PATIENT)
     await limiter.start()
     entry = key(max_concurrent=1)
     conc = key_of(entry.name, "conc")
