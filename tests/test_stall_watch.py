@@ -27,19 +27,19 @@ from tests.stall_watch import (
     warnings_logged,
     watched_policy,
 )
+from tests.waiting import wait_until
 
 
 def recorded(watch: StallWatch, start: float, wanted: Callable[[Stall], bool]) -> list[Stall]:
     """The stalls since ``start`` that ``wanted`` picks, once there is one: the
     watch's thread records a stall at its next wake-up, which a process given
     a small share of a core may get late (fails after 30 s)."""
-    deadline = time.monotonic() + 30
-    while True:
-        stalls = [s for s in watch.between(start, time.time()) if wanted(s)]
-        if stalls:
-            return stalls
-        assert time.monotonic() < deadline, watch.between(start, time.time())
-        time.sleep(0.2)
+
+    def picked() -> list[Stall]:
+        return [s for s in watch.between(start, time.time()) if wanted(s)]
+
+    wait_until(picked, "the watch's record of the stall", timeout=30)
+    return picked()
 
 
 def test_a_stopped_process_is_reported_as_a_stall() -> None:

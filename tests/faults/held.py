@@ -98,15 +98,6 @@ def running_at(gateway: Served, worker: HeldWorker) -> float:
     return metric(gateway.base_url, "llmgate_worker_requests_running", worker=worker.address) or 0
 
 
-def wait_until(predicate, what: str, timeout: float = 60) -> None:  # type: ignore[no-untyped-def]
-    """Until ``predicate()`` holds; fails naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        time.sleep(0.1)
-
-
 def http_client(gateway: Served) -> httpx.AsyncClient:
     return httpx.AsyncClient(
         base_url=gateway.base_url, timeout=300, limits=httpx.Limits(max_connections=64)

@@ -20,7 +20,7 @@ from sqlalchemy import func, select
 from gateway.state.db import Database
 from gateway.state.schema import lines
 from tests.conftest import Served, start_gateway, stop_serve
-from tests.faults.held import HOLD_AFTER, HeldWorker, held_worker, running_at, wait_until
+from tests.faults.held import HOLD_AFTER, HeldWorker, held_worker, running_at
 from tests.integration.postgres_server import PostgresServer
 from tests.integration.test_batches import (
     SHORT_LEASE,
@@ -35,6 +35,7 @@ from tests.integration.test_batches import (
     wait_until as wait_for_batch,
 )
 from tests.integration.test_pool import metric
+from tests.waiting import wait_until
 
 TOTAL = 12
 # Lines that never reach the gate: committed before any fault.

@@ -27,10 +27,10 @@ from tests.faults.held import (
     held_worker,
     http_client,
     running_at,
-    wait_until,
 )
 from tests.integration.streams import Stream, read_stream
 from tests.integration.test_pool import metric
+from tests.waiting import wait_until
 
 # Streams and whole requests sent; half of each land on the victim.
 EACH = 4

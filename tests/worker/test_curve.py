@@ -22,6 +22,7 @@ from gateway.transport import WorkerLink
 from shared import keys, protocol
 from shared.settings import GatewaySettings, WorkerSettings
 from tests.conftest import free_port
+from tests.waiting import until
 from worker.curve import start_authenticator
 from worker.liveness import watch_connections
 from worker.server import make_router
@@ -41,12 +42,12 @@ Said = list[tuple[str, str]]  # (logger, message) of each record
 
 async def logged(caplog: pytest.LogCaptureFixture, found: Callable[[Said], bool]) -> Said:
     """What was logged, once ``found`` holds for it (within ARRIVES_WITHIN)."""
-    async with asyncio.timeout(ARRIVES_WITHIN):
-        while True:
-            said = [(r.name, r.getMessage()) for r in caplog.records]
-            if found(said):
-                return said
-            await asyncio.sleep(0.05)
+
+    def said() -> Said:
+        return [(r.name, r.getMessage()) for r in caplog.records]
+
+    await until(lambda: found(said()), ARRIVES_WITHIN)
+    return said()
 
 
 @dataclass
@@ -179,11 +180,7 @@ async def test_a_gateway_with_the_right_keys_talks_to_the_worker(
     assert isinstance(protocol.worker_decoder().decode(body), protocol.Ping)
     beat = protocol.Heartbeat(worker_id="w", incarnation="i", models=["m"])
     await worker.router.send_multipart([identity, protocol.encoder().encode(beat)])
-    async with asyncio.timeout(ARRIVES_WITHIN):
-        while True:
-            if gateway.received:
-                break
-            await asyncio.sleep(0.02)
+    await until(lambda: gateway.received, ARRIVES_WITHIN)
     assert gateway.received == [beat]
 
 

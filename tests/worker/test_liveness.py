@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 
 import pytest
 import zmq
@@ -14,6 +13,7 @@ from loadtest.fake_engine import FakeEngine
 from shared import protocol
 from shared.settings import WorkerSettings
 from tests.conftest import free_port
+from tests.waiting import until
 from tests.worker.test_server import GATEWAY, MODEL, frames, generate, settle
 from worker.server import WorkerServer
 
@@ -76,10 +76,3 @@ async def test_a_disconnected_gateways_requests_are_aborted_at_once(
         server._stop.set()
         await asyncio.wait_for(serving, timeout=30)
         ctx.term()
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    """Until ``condition()`` holds, looked at every 10 ms; fails after 30 s."""
-    async with asyncio.timeout(30):
-        while not condition():  # noqa: ASYNC110 (the worker's state has no event to wait on)
-            await asyncio.sleep(0.01)
