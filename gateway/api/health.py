@@ -35,14 +35,16 @@ async def prometheus_metrics() -> Response:
 
 @serves(routes.READY)
 async def ready(request: Request) -> Response:
-    """Ready when at least one worker is healthy and, with a shared ``--state-db``,
-    once the state store has answered (at start: a replica that cannot reach
-    it takes no traffic; an outage later leaves it ready: only the routes
-    that need state answer 503): 200, else 503."""
+    """Ready when at least one worker is healthy and the state store's first
+    try has ended, and, with a shared ``--state-db``, once the store has
+    answered (at start: a replica that cannot reach it takes no traffic; an
+    outage later leaves it ready: only the routes that need state answer
+    503): 200, else 503. A local SQLite store opens within the first try, so
+    a file uploaded as soon as /ready says 200 is taken."""
     pool: Pool = request.app.state.pool
     store: State = request.app.state.store
     healthy = len(pool.healthy_workers())
-    waiting = store.shared and not store.ready.is_set()
+    waiting = not store.ready.is_set() and (store.shared or not store.tried.is_set())
     body: dict[str, object] = {"ready": healthy > 0 and not waiting, "healthy_workers": healthy}
     if waiting:
         body["state_store"] = store.problem

@@ -4,8 +4,9 @@ usage per key.
 One database for all of it (``gateway.state.db``): SQLite in ``--state-dir``
 by default, shared by the gateway processes of one host, or PostgreSQL
 (``--state-db``) shared by every replica, so any replica serves any request.
-``State.connect()`` waits for the database at start and migrates it; while
-a ``--state-db`` has never answered the gateway is not ready (``/ready``).
+``State.connect()`` waits for the database at start and migrates it; the
+gateway is not ready (``/ready``) before its first try has ended, nor, with a
+``--state-db``, while the store has never answered.
 An outage later answers 503 on the routes that need state only
 (``errors.StateUnavailable``); a batch line's result is committed or the line
 runs again, never lost. ``State.reap()`` deletes expired files and responses.
@@ -54,6 +55,9 @@ class State:
         self.batches = Batches(self.db, self.files, settings.batch_output_days * DAY)
         self.responses = Responses(self.db, settings.responses_days * DAY)
         self.ready = asyncio.Event()
+        # Set once the first try to reach the store has ended, however it did:
+        # a local SQLite store is opened by then (/ready waits for it).
+        self.tried = asyncio.Event()
         self.usage = Usage(self.db)
         self.ledger = Ledger(self.usage, self.ready)
         self._tasks: list[asyncio.Task[None]] = []
@@ -67,6 +71,7 @@ class State:
                 await asyncio.to_thread(self.db.migrate)
             except (Unavailable, OSError) as exc:
                 self.problem = f"the state store {self.db.where} does not answer ({exc})"
+                self.tried.set()
                 if not warned:
                     log.warning("%s; trying again every %.0fs", self.problem, CONNECT_PAUSE_SECONDS)
                     warned = True
@@ -75,6 +80,7 @@ class State:
             log.info("state store: %s", self.db.where)
             self.problem = ""
             self.ready.set()
+            self.tried.set()
             return
 
     async def call(self, method: Callable[..., T], *args: object) -> T:
