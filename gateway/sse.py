@@ -19,9 +19,24 @@ from shared import protocol
 
 DONE = b"data: [DONE]\n\n"
 
+# Characters JSON leaves raw (msgspec, like vLLM's pydantic, writes them as
+# UTF-8) that Python's ``str.splitlines`` takes as line ends, and with it
+# httpx's ``aiter_lines``, a common way to read a stream: a sampled token
+# can be one, and the event's data line then reached such a client as two
+# halves of JSON. Escaped, they are the same string to any JSON reader.
+_LINE_ENDS_JSON_KEEPS = (
+    (b"\xc2\x85", b"\\u0085"),
+    (b"\xe2\x80\xa8", b"\\u2028"),
+    (b"\xe2\x80\xa9", b"\\u2029"),
+)
+
 
 def event(payload: Any) -> bytes:
-    return b"data: " + encode(payload) + b"\n\n"
+    """One server-sent event carrying ``payload``: a data line no reader splits."""
+    data = encode(payload)
+    for raw, escaped in _LINE_ENDS_JSON_KEEPS:
+        data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
 
 
 def usage_json(usage: protocol.Usage) -> dict[str, int]:

@@ -104,3 +104,23 @@ def test_an_index_beyond_the_expected_choices_does_not_crash() -> None:
     builder = sse.Completion("abc", "m", 1, logprobs=None)
     builder.add(Delta("abc", 3, "x"))
     assert len(msgspec.json.decode(builder.body(Usage(0, 1)))["choices"]) == 4
+
+
+# What str.splitlines (and httpx's aiter_lines) ends a line at and JSON does not escape.
+LINE_ENDS_IN_TEXT = "one\x85two\u2028three\u2029four"
+
+
+def test_a_chunk_whose_text_holds_line_ends_json_keeps_is_one_data_line() -> None:
+    completion = sse.Completion("abc", "m", 1, logprobs=None).chunk(
+        Delta("abc", 0, LINE_ENDS_IN_TEXT)
+    )
+    chat = sse.Chat("abc", "m", 1, logprobs=False, top_logprobs=0).chunk(
+        Delta("abc", 0, LINE_ENDS_IN_TEXT)
+    )
+    texts = []
+    for stream in (completion, chat):
+        data_lines = [line for line in stream.decode().splitlines() if line]
+        assert all(line.startswith("data: {") for line in data_lines), data_lines
+        texts.append(msgspec.json.decode(data_lines[-1][6:])["choices"][0])
+    assert texts[0]["text"] == LINE_ENDS_IN_TEXT
+    assert texts[1]["delta"]["content"] == LINE_ENDS_IN_TEXT

@@ -6,6 +6,7 @@ embedded SmolLM2-135M-Instruct); nothing here is faked.
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -139,6 +140,25 @@ def test_streaming_completion_text_matches_non_streaming(client: openai.OpenAI) 
     assert len(chunks) > 1
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert all(c.usage is None for c in chunks)  # no include_usage, no usage chunk
+
+
+def test_a_stream_read_line_by_line_keeps_each_event_whole(base_url: str) -> None:
+    """Text holding characters that Python's ``splitlines`` ends a line at and
+    JSON does not escape (NEL, U+2028, U+2029) still reaches httpx's
+    ``aiter_lines`` as one line per event. A sampled token can be one: a
+    test's stream once read half an event's JSON. Echo puts them in the
+    stream from the prompt, so the real engine's output carries them."""
+    prompt = "One\x85two\u2028three\u2029four"
+    body = {"model": MODEL, "prompt": prompt, "echo": True, "max_tokens": 2, "stream": True}
+    with (
+        httpx.Client(base_url=base_url, timeout=120) as http,
+        http.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert "".join(e["choices"][0]["text"] for e in events).startswith(prompt)
 
 
 def test_stop_sequence_ends_the_text_before_it(client: openai.OpenAI) -> None:
