@@ -29,6 +29,7 @@ from tests.at_once import at_once, raised
 from tests.conftest import MODEL, ROOT, Served, gateway_pair, start_gateway, stop_serve
 from tests.integration.postgres_server import PostgresServer
 from tests.integration.test_batches import (
+    COMPLETIONS,
     SHORT_LEASE,
     client_of,
     create,
@@ -81,7 +82,7 @@ def test_a_200_line_batch_created_through_one_replica_is_run_by_both(
 ) -> None:
     first, second = pair
     total = 200
-    batch_id = create(client_of(first), requests(total, max_tokens=4))
+    batch_id = create(client_of(first), requests(total, max_tokens=4, url=COMPLETIONS))
     assert client_of(second).batches.retrieve(batch_id).id == batch_id
     wait_until(second, batch_id, finished, timeout=900)
     batch = client_of(second).batches.retrieve(batch_id)
@@ -129,7 +130,7 @@ def test_a_replica_killed_mid_batch_leaves_its_lines_to_the_other_with_none_doub
     )
     total = 30
     try:
-        batch_id = create(client_of(victim), requests(total, max_tokens=16))
+        batch_id = create(client_of(victim), requests(total, max_tokens=16, url=COMPLETIONS))
         wait_until(victim, batch_id, lambda b: b["request_counts"]["completed"] >= 3)
         survivor = replica(
             tmp_path, served, "survivor", database, "--batch-max-inflight", "4", *SHORT_LEASE
