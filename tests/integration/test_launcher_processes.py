@@ -8,6 +8,7 @@ does not disturb the session's shared one; the refusals start no engine.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -32,6 +33,7 @@ from tests.conftest import (
     wait_ready,
 )
 from tests.integration.test_cpu_layout import vllm_binding
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -49,6 +51,30 @@ def children_by_role(launcher_pid: int) -> dict[str, psutil.Process]:
         elif "gateway.main" in cmdline:
             roles["gateway"] = child
     return roles
+
+
+def engine_core_started(worker: psutil.Process) -> bool:
+    """Whether vLLM's engine-core process runs below ``worker`` (it names itself)."""
+    for proc in worker.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if proc.cmdline()[:1] == ["VLLM::EngineCore"]:
+                return True
+    return False
+
+
+def until_restarted(launcher_pid: int, old_pid: int) -> psutil.Process:
+    """The worker the launcher started in place of ``old_pid``, once its engine core runs."""
+    found: list[psutil.Process] = []
+
+    def restarted() -> bool:
+        worker = children_by_role(launcher_pid).get("worker")
+        if worker is None or worker.pid == old_pid or not engine_core_started(worker):
+            return False
+        found.append(worker)
+        return True
+
+    wait_until(restarted, "a new worker with its engine core", STARTUP_TIMEOUT)
+    return found[-1]
 
 
 def complete(base_url: str, timeout: float = 60) -> httpx.Response:
@@ -113,22 +139,17 @@ def test_crashed_worker_is_restarted_and_stop_leaves_no_process(launched: Served
         assert during.status_code in (200, 502, 503), during.text
         assert time.monotonic() - started < 60
 
-        # The launcher starts a new worker, the gateway takes it in (new
-        # incarnation), and requests succeed again without a gateway restart.
+        # The launcher starts a new worker with sockets of its own, the gateway
+        # staying. The stop below comes once the new worker's engine core is
+        # up: the tree it takes down is whole, without waiting the rest of an
+        # engine's start (that the gateway takes a restarted worker back in is
+        # the last step of test_two_workers' kill test).
         gateway_pid = roles["gateway"].pid
-        deadline = time.monotonic() + STARTUP_TIMEOUT  # a new engine starts meanwhile
-        while time.monotonic() < deadline:
-            if complete(served.base_url).status_code == 200:
-                break
-            time.sleep(1)
-        else:
-            pytest.fail(f"no successful request after the restart:\n{served.log_tail()}")
-        roles = children_by_role(launcher.pid)
-        assert roles["worker"].pid != old_worker.pid
-        assert roles["gateway"].pid == gateway_pid
+        new_worker = until_restarted(launcher.pid, old_worker.pid)
+        assert children_by_role(launcher.pid)["gateway"].pid == gateway_pid
         # The killed worker's sockets went with it; the new one has its own.
         assert not old_rpc_dir.exists()
-        rpc_dir = Path(roles["worker"].environ()["VLLM_RPC_BASE_PATH"])
+        rpc_dir = Path(new_worker.environ()["VLLM_RPC_BASE_PATH"])
         assert rpc_dir != old_rpc_dir and rpc_dir.is_dir()
 
         everything = [launcher, *launcher.children(recursive=True)]
