@@ -18,6 +18,7 @@ if [[ ! -x "$VENV/bin/python" ]]; then
     "$PYTHON" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+compiling=
 
 if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]]; then
     echo "==> installing llmgate[$EXTRAS,convert,dev,docs,loadtest,tracing] (first time: several minutes)"
@@ -46,12 +47,15 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]]; then
     site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     "$VENV/bin/python" -m compileall -qq -j 0 "$site" >/dev/null 2>&1 &
     compiling=$!
+    # A background job of a script ignores Ctrl-C: it stops with the script.
+    trap 'kill "$compiling" 2>/dev/null || true' EXIT
 fi
 
 # Cached after the first time (.models/, or $LLMGATE_MODEL_CACHE).
 "$VENV/bin/python" -m worker.embedded_model >/dev/null
-if [[ -n ${compiling:-} ]]; then
+if [[ -n $compiling ]]; then
     wait "$compiling" || true
+    trap - EXIT
     echo "$want" > "$STAMP"  # only now: an interrupted install is redone whole
 fi
 echo "==> ready: $VENV"

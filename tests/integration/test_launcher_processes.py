@@ -8,7 +8,6 @@ does not disturb the session's shared one; the refusals start no engine.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -20,6 +19,7 @@ import httpx
 import psutil
 import pytest
 
+from loadtest import capacity
 from shared.ports import free_port, free_port_range
 from tests import prestart
 from tests.conftest import (
@@ -33,7 +33,7 @@ from tests.conftest import (
     wait_ready,
 )
 from tests.integration.test_cpu_layout import vllm_binding
-from tests.waiting import wait_until
+from tests.integration.test_pool import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -53,27 +53,21 @@ def children_by_role(launcher_pid: int) -> dict[str, psutil.Process]:
     return roles
 
 
-def engine_core_started(worker: psutil.Process) -> bool:
-    """Whether vLLM's engine-core process runs below ``worker`` (it names itself)."""
-    for proc in worker.children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if proc.cmdline()[:1] == ["VLLM::EngineCore"]:
-                return True
-    return False
-
-
-def until_restarted(launcher_pid: int, old_pid: int) -> psutil.Process:
-    """The worker the launcher started in place of ``old_pid``, once its engine core runs."""
+def until_restarted(served: Served, old_pid: int) -> psutil.Process:
+    """The worker the launcher started in place of ``old_pid``, once vLLM's
+    engine core and model runner run below it (each names itself)."""
     found: list[psutil.Process] = []
 
     def restarted() -> bool:
-        worker = children_by_role(launcher_pid).get("worker")
-        if worker is None or worker.pid == old_pid or not engine_core_started(worker):
+        roles = capacity.server_processes(served.proc.pid, split_engine=True)
+        workers = [w for w in roles.get("worker", []) if w.pid != old_pid]
+        engine = ("worker/VLLM::EngineCore", "worker/VLLM::Worker")
+        if not workers or not all(roles.get(name) for name in engine):
             return False
-        found.append(worker)
+        found.append(workers[0])
         return True
 
-    wait_until(restarted, "a new worker with its engine core", STARTUP_TIMEOUT)
+    wait_for(restarted, STARTUP_TIMEOUT, show=served.log_tail)
     return found[-1]
 
 
@@ -140,12 +134,13 @@ def test_crashed_worker_is_restarted_and_stop_leaves_no_process(launched: Served
         assert time.monotonic() - started < 60
 
         # The launcher starts a new worker with sockets of its own, the gateway
-        # staying. The stop below comes once the new worker's engine core is
-        # up: the tree it takes down is whole, without waiting the rest of an
-        # engine's start (that the gateway takes a restarted worker back in is
-        # the last step of test_two_workers' kill test).
+        # staying. The stop below comes once the new worker's engine processes
+        # are all up, without waiting the rest of an engine's start: the
+        # gateway taking a restarted worker back in is the last step of
+        # test_two_workers' kill test, and a lone worker marked down coming
+        # back to serve is test_pool's stalled lone worker.
         gateway_pid = roles["gateway"].pid
-        new_worker = until_restarted(launcher.pid, old_worker.pid)
+        new_worker = until_restarted(served, old_worker.pid)
         assert children_by_role(launcher.pid)["gateway"].pid == gateway_pid
         # The killed worker's sockets went with it; the new one has its own.
         assert not old_rpc_dir.exists()

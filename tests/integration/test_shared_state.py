@@ -130,7 +130,7 @@ def test_a_replica_killed_mid_batch_leaves_its_lines_to_the_other_with_none_doub
     )
     total = 30
     try:
-        batch_id = create(client_of(victim), requests(total, max_tokens=16, url=COMPLETIONS))
+        batch_id = create(client_of(victim), requests(total, max_tokens=16))
         wait_until(victim, batch_id, lambda b: b["request_counts"]["completed"] >= 3)
         survivor = replica(
             tmp_path, served, "survivor", database, "--batch-max-inflight", "4", *SHORT_LEASE
