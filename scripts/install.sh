@@ -22,9 +22,9 @@ compiling=
 
 if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]]; then
     echo "==> installing llmgate[$EXTRAS,convert,dev,docs,loadtest,tracing] (first time: several minutes)"
-    # --no-compile throughout: pip writes the bytecode one file after another
-    # (about 75 s of a 170 s install here); compileall writes it below on every
-    # core, beside the model's conversion (the install takes about 30 s less).
+    # --no-compile throughout: pip writes the bytecode one file after another;
+    # compileall writes it below on every core, beside the model's conversion
+    # (a fresh install here: 140 s instead of 178).
     "${PIP[@]}" install --quiet --no-compile --upgrade pip
     "${PIP[@]}" install --quiet --no-compile -e ".[$EXTRAS,convert,dev,docs,loadtest,tracing]"
     if [[ "$EXTRAS" == *cpu* ]]; then

@@ -53,22 +53,17 @@ def children_by_role(launcher_pid: int) -> dict[str, psutil.Process]:
     return roles
 
 
-def until_restarted(served: Served, old_pid: int) -> psutil.Process:
-    """The worker the launcher started in place of ``old_pid``, once vLLM's
-    engine core and model runner run below it (each names itself)."""
-    found: list[psutil.Process] = []
+def until_restarted(served: Served, old_pid: int) -> None:
+    """Until a worker started in place of ``old_pid`` runs vLLM's engine core
+    and model runner below it (each names itself)."""
 
     def restarted() -> bool:
         roles = capacity.server_processes(served.proc.pid, split_engine=True)
-        workers = [w for w in roles.get("worker", []) if w.pid != old_pid]
         engine = ("worker/VLLM::EngineCore", "worker/VLLM::Worker")
-        if not workers or not all(roles.get(name) for name in engine):
-            return False
-        found.append(workers[0])
-        return True
+        new = [w for w in roles.get("worker", []) if w.pid != old_pid]
+        return bool(new) and all(roles.get(name) for name in engine)
 
     wait_for(restarted, STARTUP_TIMEOUT, show=served.log_tail)
-    return found[-1]
 
 
 def complete(base_url: str, timeout: float = 60) -> httpx.Response:
@@ -140,11 +135,13 @@ def test_crashed_worker_is_restarted_and_stop_leaves_no_process(launched: Served
         # test_two_workers' kill test, and a lone worker marked down coming
         # back to serve is test_pool's stalled lone worker.
         gateway_pid = roles["gateway"].pid
-        new_worker = until_restarted(served, old_worker.pid)
-        assert children_by_role(launcher.pid)["gateway"].pid == gateway_pid
+        until_restarted(served, old_worker.pid)
+        roles = children_by_role(launcher.pid)
+        assert roles["worker"].pid != old_worker.pid
+        assert roles["gateway"].pid == gateway_pid
         # The killed worker's sockets went with it; the new one has its own.
         assert not old_rpc_dir.exists()
-        rpc_dir = Path(new_worker.environ()["VLLM_RPC_BASE_PATH"])
+        rpc_dir = Path(roles["worker"].environ()["VLLM_RPC_BASE_PATH"])
         assert rpc_dir != old_rpc_dir and rpc_dir.is_dir()
 
         everything = [launcher, *launcher.children(recursive=True)]
