@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from sqlalchemy import func, select
 from gateway.state.db import Database
 from gateway.state.schema import lines
 from tests import prestart
-from tests.conftest import MODEL, ROOT, Served, start_gateway, stop_serve
+from tests.conftest import MODEL, ROOT, Served, engine_on_last_core, start_gateway, stop_serve
 from tests.integration.test_pool import metric, wait_for
 
 CHAT = "/v1/chat/completions"
@@ -358,7 +359,13 @@ def launch_system(directory: Path) -> prestart.Launched:
         *("--", "--enforce-eager"),
     ]
     with (directory / "stderr.txt").open("wb") as stderr:
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
+        proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            env={**os.environ, **engine_on_last_core()},
+        )
     run = OfflineRun(proc, directory)
 
     def stop() -> None:

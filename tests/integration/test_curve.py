@@ -22,6 +22,7 @@ from tests.conftest import (
     MODEL,
     ROOT,
     Served,
+    engine_on_last_core,
     free_port,
     launch_serve,
     launched_ahead,
@@ -74,7 +75,7 @@ def launch_system(directory: Path) -> prestart.Launched:
         "LLMGATE_CURVE_GATEWAY_KEY_FILE": str(key_files.gateway_secret),
         "LLMGATE_CURVE_WORKER_PUBLIC_KEY_FILE": str(key_files.worker_public),
     }
-    running = launch_serve(directory / "serve.log", env=env)
+    running = launch_serve(directory / "serve.log", env={**env, **engine_on_last_core()})
     return launched_ahead(running, (key_files, running))
 
 

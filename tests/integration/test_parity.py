@@ -33,6 +33,7 @@ from tests.conftest import (
     STARTUP_TIMEOUT,
     TOOL_FLAGS,
     Served,
+    engine_on_last_core,
     free_port,
     launched_ahead,
     stop_later,
@@ -85,12 +86,13 @@ def launch_system(directory: Path) -> prestart.Launched:
     # this environment's vLLM too; it changes when a process waits, not what
     # the engine computes), so the two engines do not spin on each other's core.
     busy_wait = str(WorkerSettings().engine_busy_wait)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", engine_plugin.ENV: busy_wait}
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) >= 2:
-        # The session's lone worker computes on the first core (vLLM's CPU
-        # default); this engine on the last, so the two answer side by side.
-        env |= {"VLLM_CPU_OMP_THREADS_BIND": str(cores[-1]), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    # On the last core, so the two engines answer side by side.
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        engine_plugin.ENV: busy_wait,
+        **engine_on_last_core(),
+    }
     with log_path.open("wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = Served(proc, f"http://127.0.0.1:{port}", log_path)

@@ -21,6 +21,7 @@ from tests import prestart
 from tests.conftest import (
     MODEL,
     Served,
+    engine_on_last_core,
     launch_serve,
     module_system,
     start_gateway,
@@ -42,7 +43,9 @@ def launch_system(directory: Path) -> prestart.Launched:
     receiver = Receiver()
     try:
         running = launch_serve(
-            directory / "serve.log", "--otlp-endpoint", receiver.endpoint, env=HTTP_PROTOCOL
+            directory / "serve.log",
+            *("--otlp-endpoint", receiver.endpoint),
+            env={**HTTP_PROTOCOL, **engine_on_last_core()},
         )
     except BaseException:
         receiver.close()
