@@ -18,13 +18,15 @@ if [[ ! -x "$VENV/bin/python" ]]; then
     "$PYTHON" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+installing=
 compiling=
 
 if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]]; then
     echo "==> installing llmgate[$EXTRAS,convert,dev,docs,loadtest,tracing] (first time: several minutes)"
-    # --no-compile throughout: pip writes the bytecode one file after another;
-    # compileall writes it below on every core, beside the model's conversion
-    # (a fresh install here: 140 s instead of 178).
+    installing=1
+    # --no-compile throughout: pip would write the bytecode of all ~24,000
+    # modules, one after another, where a run imports about a quarter of
+    # them; Python writes each one's as it first imports it.
     "${PIP[@]}" install --quiet --no-compile --upgrade pip
     "${PIP[@]}" install --quiet --no-compile -e ".[$EXTRAS,convert,dev,docs,loadtest,tracing]"
     if [[ "$EXTRAS" == *cpu* ]]; then
@@ -40,15 +42,18 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]]; then
     # huggingface-hub<1, which would break transformers and vLLM; the parts
     # it uses (requests, pydantic, aiohttp) are already here.
     "${PIP[@]}" install --quiet --no-compile --no-deps "text-generation==0.7.0"
-    # Errors ignored, as pip ignores them: a few packages ship files that are
-    # not Python 3 (templates, test data), and a missing .pyc costs only a
-    # compile at import. (Imports cannot write it themselves where
-    # PYTHONDONTWRITEBYTECODE is set, as on the development machine.)
-    site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    "$VENV/bin/python" -m compileall -qq -j 0 "$site" >/dev/null 2>&1 &
-    compiling=$!
-    # A background job of a script ignores Ctrl-C: it stops with the script.
-    trap 'kill "$compiling" 2>/dev/null || true' EXIT
+    if [[ -n ${PYTHONDONTWRITEBYTECODE:-} ]]; then
+        # Python will not write the bytecode as it imports (run directly, not
+        # through the Makefile, which unsets this): compile it all now.
+        # Errors ignored, as pip ignores them: a few packages ship files that
+        # are not Python 3 (templates, test data), and a missing .pyc costs
+        # only a compile at import.
+        site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+        "$VENV/bin/python" -m compileall -qq -j 0 "$site" >/dev/null 2>&1 &
+        compiling=$!
+        # A background job of a script ignores Ctrl-C: it stops with the script.
+        trap 'kill "$compiling" 2>/dev/null || true' EXIT
+    fi
 fi
 
 # Cached after the first time (.models/, or $LLMGATE_MODEL_CACHE).
@@ -56,6 +61,8 @@ fi
 if [[ -n $compiling ]]; then
     wait "$compiling" || true
     trap - EXIT
+fi
+if [[ -n $installing ]]; then
     echo "$want" > "$STAMP"  # only now: an interrupted install is redone whole
 fi
 echo "==> ready: $VENV"
