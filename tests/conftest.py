@@ -92,14 +92,15 @@ TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 
 def engine_on_last_core() -> dict[str, str]:
     """The environment of a module's one-engine system: its engine computes on
-    the last core only, one thread, where the session's computes on the first
-    (``launch_session_serve``). On both cores, as ``llmgate serve``'s default
-    has it, its two threads meet at a barrier every layer: each step waits
-    for whichever of them the machine ran last (the session's engine, the
-    test process, a busy core), and both spin meanwhile. Measured on one
-    engine beside ``stress-ng --cpu 1``: a 64-token answer 4.2-4.4 s on both
-    cores against 3.3-3.4 s on one, at half the CPU time. The default layout
-    itself is tested on the launcher's system (test_launcher_processes.py)."""
+    the last core only, one thread, where the session's computes on the
+    others (``launch_session_serve``). On every core, as ``llmgate serve``'s
+    default has it, its threads meet at a barrier every layer: each step
+    waits for whichever of them the machine ran last (the session's engine,
+    the test process, a busy core), and the others spin meanwhile. Measured
+    on 2 cores, one engine beside ``stress-ng --cpu 1``: a 64-token answer
+    4.2-4.4 s on both cores against 3.3-3.4 s on one, at half the CPU time.
+    The default layout itself is tested on the launcher's system
+    (test_launcher_processes.py)."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         return {}
@@ -204,9 +205,10 @@ def launch_session_serve(directory: Path) -> Served:
     # TGI-style limits on the session's worker (tests/integration/test_api_surface.py).
     limits = {"LLMGATE_MAX_INPUT_TOKENS": "4000", "LLMGATE_MAX_TOTAL_TOKENS": "6000"}
     # Unlike llmgate serve's default (every core), the session's engine keeps
-    # the last core for the other engines the suite starts beside it (vLLM's
-    # server in the parity test, the two-worker system): with all three
-    # computing on every core, each step waits on the others' threads. This
+    # the last core for the other engines the suite starts beside it (the
+    # modules' own: engine_on_last_core, and the two-worker system): with
+    # all of them computing on every core, each step waits on the others'
+    # threads. This
     # also shows the environment winning over the default
     # (tests/integration/test_cpu_layout.py); the default itself is checked
     # on a system of its own (tests/integration/test_launcher_processes.py).
