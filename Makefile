@@ -2,9 +2,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # Python writes each module's bytecode the first time it imports it, once:
-# vLLM's processes import ~6,000 of the ~24,000 modules installed, so the
-# install compiles none (scripts/install.sh) and a machine that sets this
-# does not compile them anew in every process.
+# a run imports ~6,000 of the ~24,000 modules installed, so the install
+# writes only those of llmgate's own processes (scripts/warm_bytecode.py),
+# and under make a machine that sets this still writes the rest as imported
+# rather than compiling them anew in every process.
 unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install run test test-fast lint format docs bench bench-overhead bench-scaling loadtest clean

@@ -43,7 +43,7 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]]; then
     # it uses (requests, pydantic, aiohttp) are already here.
     "${PIP[@]}" install --quiet --no-compile --no-deps "text-generation==0.7.0"
     # The bytecode of what llmgate's processes import, written beside the
-    # model's conversion (scripts/warm_bytecode.py): ~25 s on one core where
+    # model's conversion (scripts/warm_bytecode.py): ~30 s on one core where
     # compiling everything took ~70 on two.
     env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" scripts/warm_bytecode.py "$EXTRAS" \
         >/dev/null 2>&1 &

@@ -208,8 +208,7 @@ def launch_session_serve(directory: Path) -> Served:
     # the last core for the other engines the suite starts beside it (the
     # modules' own: engine_on_last_core, and the two-worker system): with
     # all of them computing on every core, each step waits on the others'
-    # threads. This
-    # also shows the environment winning over the default
+    # threads. This also shows the environment winning over the default
     # (tests/integration/test_cpu_layout.py); the default itself is checked
     # on a system of its own (tests/integration/test_launcher_processes.py).
     engine = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
