@@ -226,7 +226,7 @@ def launch_session_serve(directory: Path) -> Served:
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Every system this session starts keeps its default state store (batches,
     files, responses: ``--state-dir``'s default) under pytest's base directory:
-    not the user's, and not another test session's (``make test`` runs two at
+    not the user's, and not another test session's (``make test`` runs three at
     once, scripts/test.sh), whose gateways would claim its batch lines."""
     base = session.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
     os.environ["XDG_STATE_HOME"] = str(base / "xdg-state")
@@ -244,6 +244,15 @@ _early_serve: list[Served] = []
 # and the two-worker tests waited 22 s for their system; after the parity
 # module (about 3 minutes) it is ready when they start.
 _RUN_AFTER = {"test_two_workers.py": "test_parity.py"}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--no-prestart",
+        action="store_true",
+        help="start each module's own system when the module does, not one module ahead "
+        "(tests/prestart.py)",
+    )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -264,7 +273,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         _early_serve.append(launch_session_serve(factory.mktemp("serve")))
     # The systems of single modules, one ahead (tests/prestart.py); the first
     # once the session's is ready.
-    prestart.plan(session.items, factory, start_first=not session_system)
+    ahead = not session.config.getoption("no_prestart")
+    prestart.plan(session.items, factory, start_first=not session_system, ahead=ahead)
 
 
 # Systems told to stop, each reaped by a thread of its own (``stop_later``).

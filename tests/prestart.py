@@ -8,7 +8,10 @@ module's system starts when the module before it (of those with one) takes
 its own, and comes up while that module's tests run; the first starts once
 the session's system is ready (at once when no test uses that one), so the
 two do not slow each other's start, on which every test waits. At most one
-system is ahead at a time: each holds gigabytes.
+system is ahead at a time: each holds gigabytes. A session run with
+``--no-prestart`` (make test's session of the modules with systems of their
+own, beside the integration session's engines) starts each when its module
+takes it, and so holds one at a time.
 
 A module takes part with two names:
 
@@ -49,6 +52,8 @@ _order: list[ModuleType] = []
 _ahead: dict[str, Launched | _Failed] = {}
 # Modules that took theirs.
 _taken: set[str] = set()
+# False: no system starts before its module takes it (``plan``).
+_ahead_enabled = True
 
 
 def _uses_system(item: pytest.Item) -> ModuleType | None:
@@ -60,10 +65,16 @@ def _uses_system(item: pytest.Item) -> ModuleType | None:
 
 
 def plan(
-    items: Sequence[pytest.Item], factory: pytest.TempPathFactory, start_first: bool = True
+    items: Sequence[pytest.Item],
+    factory: pytest.TempPathFactory,
+    start_first: bool = True,
+    ahead: bool = True,
 ) -> None:
     """Note which modules have a system, in run order; start the first one's
-    now, or (``start_first`` false) when ``start_first_system`` is called."""
+    now, or (``start_first`` false) when ``start_first_system`` is called;
+    with ``ahead`` false, none before its module takes it."""
+    global _ahead_enabled
+    _ahead_enabled = ahead
     for item in items:
         module = _uses_system(item)
         if module is not None and module not in _order:
@@ -74,7 +85,7 @@ def plan(
 
 def start_first_system(factory: pytest.TempPathFactory) -> None:
     """Start the first planned module's system, unless it started already."""
-    if _order and _order[0].__name__ not in _ahead and not _taken:
+    if _ahead_enabled and _order and _order[0].__name__ not in _ahead and not _taken:
         _launch_ahead(_order[0], factory)
 
 
@@ -98,7 +109,7 @@ def take(request: pytest.FixtureRequest) -> Any:
     factory: pytest.TempPathFactory = request.config._tmp_path_factory  # type: ignore[attr-defined]
     launched = _ahead.pop(module.__name__, None)
     _taken.add(module.__name__)
-    if module in _order:
+    if _ahead_enabled and module in _order:
         following = _order[_order.index(module) + 1 :]
         if following and following[0].__name__ not in _ahead:
             _launch_ahead(following[0], factory)

@@ -52,6 +52,7 @@ def modules(monkeypatch: pytest.MonkeyPatch) -> Modules:
     monkeypatch.setattr(prestart, "_order", [])
     monkeypatch.setattr(prestart, "_ahead", {})
     monkeypatch.setattr(prestart, "_taken", set())
+    monkeypatch.setattr(prestart, "_ahead_enabled", True)
     return Modules()
 
 
@@ -142,3 +143,18 @@ def test_the_first_system_can_wait_for_the_sessions(modules: Modules, tmp_path: 
     prestart.take(request(second, factory))
     prestart.start_first_system(factory)  # type: ignore[arg-type]
     assert modules.started == ["first", "second"]  # not again once taken
+
+
+def test_without_ahead_each_system_starts_only_when_its_module_takes_it(
+    modules: Modules, tmp_path: Path
+) -> None:
+    factory = Factory(tmp_path)
+    first, second = modules.module("first"), modules.module("second")
+    items = [item(first, "system"), item(second, "system")]
+    prestart.plan(items, factory, ahead=False)  # type: ignore[arg-type]
+    prestart.start_first_system(factory)  # type: ignore[arg-type]
+    assert modules.started == []
+    assert prestart.take(request(first, factory)) == "first in first"
+    assert modules.started == ["first"]  # the second not yet: one at a time
+    assert prestart.take(request(second, factory)) == "second in second"
+    assert modules.started == ["first", "second"]

@@ -62,7 +62,8 @@ def make_key_files(folder: Path) -> KeyFiles:
     return KeyFiles(worker_secret, worker_public, gateway_secret, authorized, stranger_secret)
 
 
-# This module's system starts while the module before it runs (tests/prestart.py).
+# This module's system (tests/prestart.py): under make test its module runs in the
+# session of the modules with systems of their own, which starts it as the module begins.
 SYSTEM_FIXTURE = "curve_system"
 
 

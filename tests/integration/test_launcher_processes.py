@@ -74,7 +74,8 @@ def complete(base_url: str, timeout: float = 60) -> httpx.Response:
     )
 
 
-# The crash test's system starts while the module before this one runs (tests/prestart.py).
+# The crash test's system (tests/prestart.py): under make test its module runs in the
+# session of the modules with systems of their own, which starts it as the module begins.
 SYSTEM_FIXTURE = "launched"
 
 

@@ -34,7 +34,8 @@ pytestmark = pytest.mark.slow
 HTTP_PROTOCOL = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
 
 
-# This module's system starts while the module before it runs (tests/prestart.py).
+# This module's system (tests/prestart.py): under make test its module runs in the
+# session of the modules with systems of their own, which starts it as the module begins.
 SYSTEM_FIXTURE = "tracing_system"
 
 
