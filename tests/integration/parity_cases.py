@@ -228,9 +228,12 @@ _WHOLE_ONLY = {
     *("request_id", "routed_experts_prompt_start", "seed", "session_id", "temperature"),
     *("top_k", "top_p", "truncate_prompt_tokens", "truncation_side", "user", "vllm_xargs"),
     *("watermarking", "return_mm_kwargs", "prompt_embeds"),
+    # guided decoding masks what is sampled; a beam's length penalty ranks
+    # beams (use_beam_search is streamed)
+    *("response_format", "structured_outputs", "length_penalty"),
     # chat: the prompt the template makes
     *("chat_template", "chat_template_kwargs", "documents", "media_io_kwargs"),
-    *("mm_processor_kwargs", "messages"),
+    *("mm_processor_kwargs", "messages", "add_generation_prompt"),
 }
 
 

@@ -38,7 +38,8 @@ from tests.integration.test_pool import metric, metric_reaches, value_in
 pytestmark = pytest.mark.slow
 
 
-# This module's system starts while the module before it runs (tests/prestart.py).
+# This module's system (tests/prestart.py): under make test its module runs in the
+# session of the modules with systems of their own, which starts it as the module begins.
 SYSTEM_FIXTURE = "two"
 
 
