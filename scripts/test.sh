@@ -6,9 +6,9 @@
 # * the integration modules that start systems of their own and never use the
 #   session's (ALONE below): beside the first, so their engine starts and
 #   tests fill the core it leaves idle much of the time (a request goes
-#   through one process after another) instead of adding ~4 minutes to it;
+#   through one process after another) instead of adding ~2 minutes to it;
 #   each system starts when its module does (--no-prestart), so this session
-#   holds one system at a time beside the first one's (gigabytes each);
+#   holds one engine at a time beside the first one's (gigabytes each);
 # * the rest (no engine: unit, fault and deploy tests) at a lower priority
 #   (nice 10): they end minutes before the integration session, so where both
 #   want a core the integration tests get it.
@@ -26,7 +26,6 @@ ALONE=(
     tests/integration/test_curve.py
     tests/integration/test_launcher_processes.py
     tests/integration/test_tracing.py
-    tests/integration/test_two_workers.py
 )
 
 for arg in "$@"; do

@@ -238,6 +238,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 _early_serve: list[Served] = []
 
 
+# Modules moved in the run order: the two-worker system (two engines, the
+# slowest to start) comes up while the module with a system before it runs
+# (tests/prestart.py). In name order that is the tracing module, about 35 s,
+# and the two-worker tests waited 22 s for their system; after the parity
+# module (about 3 minutes) it is ready when they start.
+_RUN_AFTER = {"test_two_workers.py": "test_parity.py"}
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--no-prestart",
@@ -245,6 +253,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="start each module's own system when the module does, not one module ahead "
         "(tests/prestart.py)",
     )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for moved, anchor in _RUN_AFTER.items():
+        mine = [item for item in items if item.path.name == moved]
+        rest = [item for item in items if item.path.name != moved]
+        after = [n for n, item in enumerate(rest) if item.path.name == anchor]
+        if mine and after:
+            items[:] = rest[: after[-1] + 1] + mine + rest[after[-1] + 1 :]
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
