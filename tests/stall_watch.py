@@ -39,7 +39,7 @@ import traceback
 import weakref
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -58,6 +58,8 @@ LATE = 2.0
 # Seconds a running event loop of the test may go without a tick before its
 # threads' stacks are dumped.
 LOOP_STALL = 20.0
+# The header faulthandler writes before each timed dump: "Timeout (0:00:20)!".
+DUMP_START = re.compile(r"^(?=Timeout \()", re.MULTILINE)
 # How often the CPU of this process and its descendants is sampled, and how
 # many samples are kept (the CPU used over a stall is read from them).
 CPU_SAMPLE_EVERY = 5.0
@@ -298,7 +300,12 @@ class LoopWatch:
         self.after = after
         self.stalls: list[LoopStall] = []
         self._last_tick = time.time()
-        self._dump = tempfile.TemporaryFile(mode="w+", prefix="loop-stall-")
+        # Appended to by faulthandler's C thread while ``_collect`` reads it:
+        # O_APPEND puts every write at the end and ``os.pread`` leaves the
+        # offset alone, so a read never moves where a dump still being
+        # written goes (once, with a shared offset, a slow dump's second
+        # half overwrote its first).
+        self.dump = tempfile.TemporaryFile(mode="a+b", prefix="loop-stall-")
         self._read_up_to = 0
         # Loops with a tick scheduled (a loop run again keeps its one tick).
         self._ticking: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
@@ -307,7 +314,7 @@ class LoopWatch:
     def started(self, loop: asyncio.AbstractEventLoop) -> None:
         # Armed now: the first callback may itself be the one that blocks.
         self._last_tick = time.time()
-        faulthandler.dump_traceback_later(self.after, file=self._dump)
+        faulthandler.dump_traceback_later(self.after, file=self.dump)
         if loop not in self._ticking:
             self._ticking.add(loop)
             loop.call_soon(self._tick, loop)
@@ -317,26 +324,38 @@ class LoopWatch:
 
     def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
         self._last_tick = time.time()
-        faulthandler.dump_traceback_later(self.after, file=self._dump)
+        faulthandler.dump_traceback_later(self.after, file=self.dump)
         loop.call_later(1.0, self._tick, loop)
 
     def _collect(self) -> None:
         """Turns what faulthandler dumped into a stall with the CPU used meanwhile."""
+        fd = self.dump.fileno()
         while True:
             time.sleep(1.0)
-            self._dump.flush()
-            size = os.fstat(self._dump.fileno()).st_size
+            size = os.fstat(fd).st_size
             if size <= self._read_up_to:
                 continue
-            self._dump.seek(self._read_up_to)
-            stacks = self._dump.read()
+            text = os.pread(fd, size - self._read_up_to, self._read_up_to)
             self._read_up_to = size
+            self._add(text.decode(errors="replace"))
+
+    def _add(self, text: str) -> None:
+        """Each dump in ``text`` a stall; a dump read while faulthandler was
+        still writing it (a slow, starved process) goes on in the next read,
+        whose text before any new dump's header ends the last stall's stacks."""
+        for part in DUMP_START.split(text):
+            if not part:
+                continue
+            if not DUMP_START.match(part) and self.stalls:
+                last = self.stalls[-1]
+                self.stalls[-1] = replace(last, stacks=last.stacks + part)
+                continue
             last_tick = self._last_tick
             before = self.watch.sample_before(last_tick)
             cpu = cpu_used(before, cpu_sample()) if before else "no CPU sample before it"
             if self.watch.cores is not None:
                 cpu += "\n    " + self.watch.cores.during(last_tick, time.time())
-            self.stalls.append(LoopStall(time.time(), last_tick, stacks, cpu))
+            self.stalls.append(LoopStall(time.time(), last_tick, part, cpu))
 
     def between(self, start: float, stop: float) -> list[LoopStall]:
         return [s for s in self.stalls if start <= s.noticed <= stop + 2]
