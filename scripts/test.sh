@@ -22,6 +22,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTEST=("${VENV:-.venv}/bin/python" -m pytest)
+# None of their tests may use the integration session's system (`served`):
+# tests/test_sessions.py checks.
 ALONE=(
     tests/integration/test_curve.py
     tests/integration/test_launcher_processes.py
