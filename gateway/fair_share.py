@@ -1,7 +1,7 @@
 """Fair sharing of worker slots between API keys under overload: a virtual token counter.
 
 After Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024),
-the Virtual Token Counter (VTC). Each key (a tenant, by its name) has a
+the Virtual Token Counter (VTC). Each key (a tenant, by its id) has a
 counter of the service it received, in tokens (prompt + completion). When
 requests queue, the next free slot goes to the waiting request whose key's
 counter is the smallest (the one that came first among equal counters, and

@@ -75,6 +75,10 @@ class Delivery(Protocol):
         """One item that arrived for the request, in order."""
         ...
 
+    def computed(self) -> protocol.Usage | None:
+        """What the engine has computed for the request (:func:`computed`)."""
+        ...
+
 
 # Put in a request's inbox by its deadline timer: one timer per attempt is
 # cheaper than a timeout scope around every wait for a delta.
@@ -91,18 +95,47 @@ class _Inbox:
     holds): an ``asyncio.Queue`` for one reader and no bound, without the
     Queue's bookkeeping (it is made, filled and read once per request)."""
 
-    __slots__ = ("_items", "_waiter", "finished", "streaming")
+    __slots__ = (
+        "_items",
+        "_waiter",
+        "completion_tokens",
+        "finished",
+        "prompt_tokens",
+        "streaming",
+        "usage",
+    )
 
     def __init__(self) -> None:
         self._items: collections.deque[object] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self.finished = False
         self.streaming = False
+        # What the worker said the engine computed: the prompt and each
+        # token as it came, then the whole count (the last delta's usage).
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.usage: protocol.Usage | None = None
 
     def deliver(self, item: Item) -> None:
-        if _is_last(item):
+        if type(item) is protocol.Delta:
+            if item.usage is not None:
+                self.usage = item.usage
+                self.finished = True
+            else:
+                self.completion_tokens += item.num_tokens
+                self.prompt_tokens += item.prompt_tokens
+        else:
             self.finished = True
         self.put_nowait(item)
+
+    def computed(self) -> protocol.Usage | None:
+        """The request's usage once it came, else the tokens counted so far
+        (None: none yet): what a request that ends early is billed for."""
+        if self.usage is not None:
+            return self.usage
+        if self.prompt_tokens or self.completion_tokens:
+            return protocol.Usage(self.prompt_tokens, self.completion_tokens)
+        return None
 
     def put_nowait(self, item: object) -> None:
         self._items.append(item)
@@ -178,6 +211,12 @@ class RequestHandle:
     def finished(self) -> bool:
         """The worker has sent the last item (it may not have been read yet)."""
         return self._inbox.finished
+
+    def computed(self) -> protocol.Usage | None:
+        """What the engine has computed for this attempt: its usage once the
+        worker sent it, else the prompt and the tokens delivered so far
+        (None: nothing yet). A client gone or a stream cut is billed this."""
+        return self._inbox.computed()
 
     def __aiter__(self) -> RequestHandle:
         return self

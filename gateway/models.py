@@ -22,6 +22,7 @@ request with a cascade configured, may escalate: ``gateway.cascade``).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -207,28 +208,12 @@ class Models:
         return True
 
     def prompt_tokens(self, raw: dict[str, Any]) -> int:
-        """The prompt's length in tokens: of a chat, its messages' text (without
-        the chat template's own tokens); token-id prompts count as given."""
-        prompt = raw.get("prompt")
-        texts: list[str] = []
-        ids = 0
-        if isinstance(prompt, str):
-            texts.append(prompt)
-        elif isinstance(prompt, list):
-            for item in prompt:
-                if isinstance(item, str):
-                    texts.append(item)
-                elif isinstance(item, int):
-                    ids += 1
-                elif isinstance(item, list):
-                    ids += len(item)
-        for message in raw.get("messages") or []:
-            content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, str):
-                texts.append(content)
-            elif isinstance(content, list):
-                texts += [p.get("text", "") for p in content if isinstance(p, dict)]
-        text = "\n".join(t for t in texts if isinstance(t, str))
+        """The prompt's length in tokens, whatever the dialect (:func:`prompt_parts`);
+        token-id prompts count as given, text (without a chat template's own
+        tokens) by the tokenizer of the ``auto`` rules or at
+        ``CHARS_PER_TOKEN`` characters a token."""
+        texts, ids = prompt_parts(raw)
+        text = "\n".join(texts)
         if self.count_tokens is not None:
             return ids + int(self.count_tokens(text))
         return ids + -(-len(text) // CHARS_PER_TOKEN)
@@ -277,3 +262,47 @@ def _embedded_tokenizer() -> Path | None:
 
     directory = default_model_dir()
     return directory if directory.is_dir() else None
+
+
+def prompt_parts(raw: dict[str, Any]) -> tuple[list[str], int]:
+    """The texts a request puts before the model, and how many token ids: a
+    completion's ``prompt``, a chat's ``messages`` (tool calls' arguments
+    too), the Responses API's ``input`` and ``instructions``, Anthropic's
+    ``system``, and every dialect's ``tools`` (their schemas go in the prompt)."""
+    texts: list[str] = []
+    ids = 0
+    prompt = raw.get("prompt")
+    if isinstance(prompt, str):
+        texts.append(prompt)
+    elif isinstance(prompt, list):
+        for item in prompt:
+            if isinstance(item, str):
+                texts.append(item)
+            elif isinstance(item, int):
+                ids += 1
+            elif isinstance(item, list):
+                ids += len(item)
+    for name in ("messages", "input", "instructions", "system"):
+        _texts_of(raw.get(name), texts)
+    tools = raw.get("tools")
+    if tools:
+        texts.append(json.dumps(tools, separators=(",", ":")))
+    return texts, ids
+
+
+def _texts_of(value: Any, texts: list[str]) -> None:
+    """The text in a message, a content part or a list of them (any dialect's)."""
+    if isinstance(value, str):
+        texts.append(value)
+    elif isinstance(value, list):
+        for item in value:
+            _texts_of(item, texts)
+    elif isinstance(value, dict):
+        for name in ("content", "text", "input", "output"):
+            _texts_of(value.get(name), texts)
+        calls = value.get("tool_calls")
+        if isinstance(calls, list):
+            for call in calls:
+                function = call.get("function") if isinstance(call, dict) else None
+                if isinstance(function, dict):
+                    _texts_of(function.get("arguments"), texts)

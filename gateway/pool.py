@@ -55,9 +55,8 @@ class _Attempt:
     delivery: Delivery
     # A batch line's (admitted behind interactive requests).
     low_priority: bool
-    # Its API key's name (fair sharing), and its usage once the worker reports it.
+    # Its API key's name (fair sharing).
     tenant: str | None = None
-    tokens: int | None = None
     started: float = field(default_factory=time.monotonic)
 
 
@@ -254,7 +253,10 @@ class Pool:
             worker.link.send(protocol.Abort(request_ids=[attempt.request_id]))
         # Only whole requests tell the pool how long one takes (not aborts).
         took = time.monotonic() - attempt.started if finished else None
-        self.admission.finished(attempt.tier, took, attempt.tenant, attempt.tokens)
+        # Fair sharing charges what the engine computed, however it ended.
+        computed = attempt.delivery.computed()
+        tokens = computed.prompt_tokens + computed.completion_tokens if computed else None
+        self.admission.finished(attempt.tier, took, attempt.tenant, tokens)
 
     # -- what the workers tell the pool (gateway.workers.WorkerEvents) -------
 
@@ -267,9 +269,6 @@ class Pool:
             for delta in message.items:
                 attempt = pending.get(delta.request_id)
                 if attempt is not None and attempt.worker.link is link:
-                    usage = delta.usage
-                    if usage is not None:  # its last: what it cost (fair sharing)
-                        attempt.tokens = usage.prompt_tokens + usage.completion_tokens
                     attempt.delivery.deliver(delta)
         elif isinstance(message, protocol.Failed):
             attempt = self.pending.get(message.request_id)

@@ -146,6 +146,11 @@ class Delta(msgspec.Struct, array_like=True, gc=False):
     prompt_token_ids: list[int] | None = None
     # A "vllm" request: the next bytes of the body vLLM's server answered.
     raw: bytes | None = None
+    # The request's prompt tokens, on the first delta the engine produced for
+    # it: with ``num_tokens``, what the engine has computed so far, which is
+    # what a request that ends before its usage (a client gone, a stream cut)
+    # is billed for.
+    prompt_tokens: int = 0
 
 
 class Deltas(_Message, tag="deltas"):

@@ -156,7 +156,7 @@ class Engine:
             self.limits,
             self.default_sampling_params,
         )
-        self.vllm_requests = Passthrough(app, self.preparer)
+        self.vllm_requests = Passthrough(app, self.preparer, self.system_fingerprint)
 
     @property
     def priority_scheduling(self) -> bool:

@@ -38,6 +38,8 @@ class RequestDeltas:
         self.tokenizer = tokenizer
         self.special_ids = special_ids
         self.completion_tokens = 0
+        # Said once, on the first delta: the engine has computed the prompts.
+        self.prompt_tokens_told = False
         # The choices whose prompt has gone out as ``echo`` already.
         self.echoed: set[int] = set()
         self.rewriters: dict[int, KeyRewriter] = {}
@@ -82,6 +84,9 @@ class RequestDeltas:
                     stop_reason=choice.stop_reason,
                 )
             )
+        if deltas and not self.prompt_tokens_told:
+            self.prompt_tokens_told = True
+            deltas[0].prompt_tokens = sum(p.prompt_tokens for p in self.prompts)
         return deltas
 
     def usage(self) -> list[protocol.Delta]:

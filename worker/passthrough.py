@@ -5,6 +5,9 @@ span extraction (``worker.spans``) and the token limits (``--max-input-tokens``,
 ``--max-total-tokens``, measured as ``worker.prepare`` measures them). The
 app's bytes go back as ``raw`` deltas as they come; the usage the gateway
 accounts for is read from those bytes, since no ``RequestOutput`` passes here.
+A chat or completion stream always asks vLLM for its usage, whether or not
+its client did (``worker.stream_usage``), so each delta carries the tokens
+computed so far and the last one the whole count.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from shared import protocol, routes
 from worker import sampling, spans
 from worker.errors import RequestError
 from worker.prepare import Preparer
+from worker.stream_usage import StreamUsage
 from worker.vllm_app import VllmApp
 
 # vLLM's routes that take a completion or chat body (and which of ours each
@@ -29,23 +33,30 @@ GENERATION_ROUTES: dict[str, protocol.RequestKind] = {
 class Passthrough:
     """Runs requests through vLLM's app over the worker's engine."""
 
-    def __init__(self, app: VllmApp, preparer: Preparer) -> None:
+    def __init__(self, app: VllmApp, preparer: Preparer, system_fingerprint: str = "") -> None:
         self.app = app
         self.preparer = preparer
+        self.system_fingerprint = system_fingerprint
 
     async def run(
         self, request_id: str, params: dict[str, Any], model: str, priority: int
     ) -> AsyncIterator[list[protocol.Delta]]:
-        """The body's bytes as ``raw`` deltas, then the usage it reported (zero
-        when a stream did not ask for it). ``model`` is the served model the
-        gateway chose (an alias or a spill-over tier names another);
-        ``priority`` is the engine's."""
+        """The body's bytes as ``raw`` deltas, then the usage it reported.
+        ``model`` is the served model the gateway chose (an alias or a
+        spill-over tier names another); ``priority`` is the engine's."""
         params = await self._within_limits(self._with_spans(params))
         body = params.get("body")
         if isinstance(body, dict) and body.get("model") and model:
             body = {**body, "model": model}
             params = {**params, "body": body}
         streamed = isinstance(body, dict) and bool(body.get("stream"))
+        if streamed and str(params.get("path")) in GENERATION_ROUTES:
+            assert isinstance(body, dict)
+            tap = StreamUsage(body, self.system_fingerprint)
+            params = {**params, "body": tap.body}
+            async for delta in self._counted(request_id, params, priority, tap):
+                yield delta
+            return
         usage = protocol.Usage(0, 0)
         whole: list[bytes] = []
         async for chunk in self.app.run(request_id, params, priority):
@@ -56,6 +67,29 @@ class Passthrough:
             yield [protocol.Delta(request_id=request_id, index=0, raw=chunk)]
         if whole:
             usage = body_usage(b"".join(whole)) or usage
+        yield [protocol.Delta(request_id=request_id, index=0, usage=usage)]
+
+    async def _counted(
+        self, request_id: str, params: dict[str, Any], priority: int, tap: StreamUsage
+    ) -> AsyncIterator[list[protocol.Delta]]:
+        """A chat or completion stream through ``tap``: each delta with the
+        tokens its bytes add, the last with vLLM's count of the whole."""
+        async for chunk in self.app.run(request_id, params, priority):
+            text, prompt, completion = tap.feed(chunk)
+            if text or prompt or completion:
+                yield [
+                    protocol.Delta(
+                        request_id=request_id,
+                        index=0,
+                        raw=text,
+                        num_tokens=completion,
+                        prompt_tokens=prompt,
+                    )
+                ]
+        rest = tap.rest()
+        if rest:
+            yield [protocol.Delta(request_id=request_id, index=0, raw=rest)]
+        usage = tap.usage or protocol.Usage(tap.prompt_tokens, tap.completion_tokens)
         yield [protocol.Delta(request_id=request_id, index=0, usage=usage)]
 
     def _with_spans(self, params: dict[str, Any]) -> dict[str, Any]:

@@ -1,13 +1,22 @@
-"""One request's accounting: its Prometheus metrics, its trace span and its key's usage,
-by its final status."""
+"""One request's settlement: its Prometheus metrics, its trace span, its key's usage and
+its key's token limits, once, by its final status and what the engine computed.
+
+Every path a request can take (whole, streamed, a cache hit, a client gone, a
+stream cut, a batch line, a request forwarded to vLLM's server) ends in
+:meth:`Accounting.finish`, with the engine's own counts: the usage the
+worker reported, or for a request that ended before it, the prompt and the
+tokens delivered so far (``gateway.handle.RequestHandle.computed``).
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Container
+from typing import Any
 
 from gateway import metrics
 from gateway.state.ledger import Ledger
+from gateway.tenants import limits
 from gateway.tracing import RequestSpan
 from shared import protocol
 from shared.api_keys import ANONYMOUS
@@ -16,7 +25,17 @@ from shared.api_keys import ANONYMOUS
 class Accounting:
     """Counts one request once, however it ends (:meth:`finish`), and ends its span."""
 
-    __slots__ = ("done", "key", "known_models", "ledger", "model", "route", "span", "started")
+    __slots__ = (
+        "done",
+        "key",
+        "known_models",
+        "ledger",
+        "model",
+        "route",
+        "scope",
+        "span",
+        "started",
+    )
 
     def __init__(
         self,
@@ -27,6 +46,7 @@ class Accounting:
         started: float | None = None,
         key: str = ANONYMOUS,
         ledger: Ledger | None = None,
+        scope: Any = None,
     ) -> None:
         self.span = span
         # The requested model: a metrics label only if a worker ever served it
@@ -39,6 +59,8 @@ class Accounting:
         # and the usage ledger its usage goes to (``gateway.state.ledger``).
         self.key = key
         self.ledger = ledger
+        # The request's ASGI scope, where its key's limits grant is (gateway.tenants).
+        self.scope = scope
         self.done = False
 
     def first_chunk(self, now: float) -> None:
@@ -49,11 +71,14 @@ class Accounting:
     def finish(
         self, status: int, usage: protocol.Usage | None = None, cached: bool = False
     ) -> None:
-        """Count the request once, by its final status, with the usage its
-        client was given (``cached``: a response cache hit, no engine work)."""
+        """Settle the request once, by its final status, with what the engine
+        computed for it (``cached``: a response cache hit, no engine work, so
+        no tokens against the key's limits; None: nothing computed)."""
         if self.done:
             return
         self.done = True
+        if self.scope is not None and (cached or usage is not None):
+            limits.settle(self.scope, None if cached else usage)
         self.span.end(status)
         route = self.route
         model = self.model
@@ -78,5 +103,11 @@ class Accounting:
             child(metrics.KEY_TOKENS, self.key, "cached").inc(prompt + completion)
         if self.ledger is not None:
             self.ledger.record(
-                self.key, self.model, prompt, completion, prompt + completion if cached else 0
+                # Owned by the key's id (a KeyName carries it: auth.key_name), shown by its name.
+                getattr(self.key, "id", self.key),
+                self.model,
+                prompt,
+                completion,
+                prompt + completion if cached else 0,
+                self.key,
             )

@@ -96,8 +96,10 @@ class Attempts:
     # A batch job's line (gateway.batch.runner) or a batch key's request:
     # after interactive requests.
     low_priority: bool = False
-    # The API key's name: admission shares slots fairly between keys.
+    # The API key's id: admission shares slots fairly between keys.
     tenant: str | None = None
+    # The latest attempt's handle: what the engine computed for it.
+    handle: RequestHandle | None = None
 
     @property
     def log_extra(self) -> dict[str, str]:
@@ -138,6 +140,11 @@ class Attempts:
                 if not isinstance(first, protocol.Delta):
                     handle.close()
 
+    def computed(self) -> protocol.Usage | None:
+        """What the engine computed for the latest attempt, so far (the one the
+        client was being answered from: a retried attempt is not billed)."""
+        return self.handle.computed() if self.handle is not None else None
+
     def forget_output(self) -> None:
         """The request runs again from scratch (a retry, an escalation)."""
         self.builder.reset()
@@ -165,6 +172,7 @@ class Attempts:
             if refused is exc:
                 raise
             raise refused from exc
+        self.handle = handle
         answered_by = handle.answered_by
         if span.on:
             span.event("routed", worker=answered_by.address)

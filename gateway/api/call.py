@@ -104,7 +104,10 @@ class Call:
             started,
             key_name(self.request.scope),
             ledger_of(self.request),
+            self.request.scope,
         )
+        # The request's attempts on workers, once it has any.
+        self.attempts: Attempts | None = None
 
     async def serve(self, key_of: Callable[[int], str]) -> Response:
         key = None
@@ -124,9 +127,9 @@ class Call:
             self.target = self.pool.resolve(
                 self.body.model, self.raw, self.request.scope["headers"]
             )
-            scope = self.request.scope  # the key's limits: 429 over them (gateway.tenants)
-            choices = len(self.builder.choices)
-            await limits.admit(scope, entry, self.pool, self.target, self.raw, choices)
+            # The key's limits: 429 over them (gateway.tenants).
+            choices = max(len(self.builder.choices), limits.choices_of(self.raw))
+            await limits.admit(self.request.scope, entry, self.pool, self.target, self.raw, choices)
             if self.cached is not None:
                 hit = await self.cached.look_up(
                     self.pool,
@@ -138,29 +141,32 @@ class Call:
                     self.body.stream,
                 )
                 if hit is not None:
-                    limits.settle(scope, None)
                     self.account.finish(200, self.cached.usage, cached=True)
                     return hit
-            attempts = self._attempts(key)
+            attempts = self.attempts = self._attempts(key)
             if self.body.stream:
                 return await self._start_stream(attempts, self.target)
             return await self._complete(attempts, self.target)
         except asyncio.CancelledError:
             if not watch.disconnected:
-                self.account.finish(500)  # shutting down: counted, its span ended
+                self.account.finish(500, self._computed())  # shutting down
                 raise
             watch.task.uncancel()
             log.info("client disconnected before the response started", extra=self.log_extra)
-            self.account.finish(499)  # nginx's "client closed request"
+            self.account.finish(499, self._computed())  # nginx's "client closed request"
             return Response(status_code=499)
         except errors.GatewayError as exc:
-            self.account.finish(exc.status)
+            self.account.finish(exc.status, self._computed())
             raise
         except BaseException:
-            self.account.finish(500)  # shutting down, or a bug: counted, its span ended
+            self.account.finish(500, self._computed())  # shutting down, or a bug
             raise
         finally:
             watch.stop()
+
+    def _computed(self) -> protocol.Usage | None:
+        """What the engine computed for the request's last attempt, so far."""
+        return self.attempts.computed() if self.attempts is not None else None
 
     def _attempts(self, key: str | None) -> Attempts:
         # A batch job's line, or a request with a `priority: batch` key: only
@@ -181,7 +187,7 @@ class Call:
             # The worker's output as it comes, while the answer may be cached.
             recorded=self.cached.recorded if self.cached is not None else None,
             low_priority=batch,
-            tenant=entry.name if entry is not None else None,
+            tenant=entry.id if entry is not None else None,
         )
 
     async def _complete(self, attempts: Attempts, target: Target) -> Response:
@@ -198,7 +204,6 @@ class Call:
         else:
             assert self.wire is not None
             answered_by, usage = await attempts.run(target, self.wire)
-        limits.settle(self.request.scope, usage)
         headers = self._headers(answered_by)
         await self._store(answered_by, usage, headers)
         self.account.finish(200, usage)
@@ -210,7 +215,6 @@ class Call:
         headers = self._headers(handle.answered_by)
 
         async def store(usage: protocol.Usage) -> None:
-            limits.settle(self.request.scope, usage)
             await self._store(handle.answered_by, usage, headers)
 
         body = relay(
@@ -242,4 +246,4 @@ class Call:
         (the client left before the first write): abort and count it here."""
         if not self.account.done:
             handle.close()
-            self.account.finish(499)
+            self.account.finish(499, handle.computed())

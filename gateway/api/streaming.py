@@ -105,4 +105,5 @@ async def relay(
         raise
     finally:
         handle.close()
-        account.finish(status, usage)
+        # Cut or left before its usage came: billed what the engine computed.
+        account.finish(status, usage or handle.computed())

@@ -20,8 +20,12 @@ it may generate: ``max_tokens`` (``max_completion_tokens``,
 its workers report it) when it sets none. When the request ends the
 reservation is settled to the worker's count (prompt + completion tokens);
 a request refused before it ran (an error status) gives its tokens back,
-and so does a cache hit, which costs no GPU time. A stream cut before its
-usage came, and a request whose client left (499), keep their reservation.
+and so does a cache hit, which costs no GPU time; one the gateway itself
+could not serve (503: no worker, its model not ready; 429: the queue full)
+gives its request back too, since the key did nothing wrong. A request that
+ended early (a client gone, a stream cut) pays what the engine computed
+(``gateway.api.accounting``); one that left before any count came (499)
+keeps its reservation.
 
 Where the counts live: in this process (``MemoryLimits``, the default), or
 in Redis with ``--limits redis://HOST:PORT/DB`` (``RedisLimits``: every
@@ -52,6 +56,7 @@ from gateway.tenants.redis_limits import LEASE_SECONDS, TIMEOUT, RedisLimits
 from gateway.tenants.windows import CONCURRENT, TOO_LARGE, Decision, MemoryLimits
 from shared import protocol
 from shared.api_keys import KeyEntry
+from shared.redact import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +64,9 @@ GRANT_KEY = "llmgate.limits"
 HEADERS_KEY = "llmgate.limit_headers"
 # The status the gateway logs for a request whose client left before its answer.
 CLIENT_LEFT = 499
+# The gateway's own refusals of an admitted request (no worker, its model not
+# ready, the queue full): the key's request is given back with its tokens.
+GATEWAY_REFUSED = frozenset({429, 503})
 # Seconds between attempts to reach a Redis that did not answer.
 RETRY_SECONDS = 5.0
 
@@ -133,6 +141,21 @@ def reservation(raw: dict[str, Any], prompt_tokens: int, context: int, choices: 
     return prompt_tokens + generated * max(choices, 1)
 
 
+def choices_of(raw: dict[str, Any]) -> int:
+    """How many sequences a request may generate: ``n`` (or ``best_of``, when
+    larger) for each of its prompts (a completions list of several, or the
+    conversations of vLLM's ``/v1/chat/completions/batch``)."""
+    width = max(
+        (v for v in (raw.get("n"), raw.get("best_of")) if type(v) is int and v > 0), default=1
+    )
+    prompts = 1
+    for name in ("prompt", "messages"):
+        value = raw.get(name)
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            prompts = len(value) if name == "prompt" or isinstance(value[0], list) else 1
+    return width * prompts
+
+
 def refusal(entry: KeyEntry, decision: Decision, cost: int) -> errors.RateLimited:
     """The 429 for a refused ``decision``, worded as OpenAI words its own."""
     name = entry.name
@@ -183,12 +206,13 @@ class Grant:
         """Give the slot back and settle the tokens; ``status``: the response's
         (None: it never started)."""
         tokens = self.tokens
+        ran = tokens is not None
         if tokens is None and (status is None or status >= 400) and status != CLIENT_LEFT:
             tokens = 0  # it never ran: nothing to pay for
         # A client that left (499) keeps its reservation: the engine may have
         # done the work, and a client timing out must not make it free.
         delta = 0 if tokens is None else tokens - self.cost
-        self.limiter.finish(self, delta)
+        self.limiter.finish(self, delta, refund_request=not ran and status in GATEWAY_REFUSED)
 
 
 class Limiter:
@@ -259,22 +283,26 @@ class Limiter:
             self._held[lease] = grant
         scope[GRANT_KEY] = grant
 
-    def finish(self, grant: Grant, delta: int) -> None:
+    def finish(self, grant: Grant, delta: int, refund_request: bool = False) -> None:
         if not grant.shared:
             self.memory.settle(grant.entry, delta)
+            if refund_request:
+                self.memory.refund_request(grant.entry)
             if grant.entry.max_concurrent:
                 self.memory.release(grant.entry)
             return
         self._held.pop(grant.lease, None)
         # In the background: the response is over, and a Redis that is slow
         # must not hold the request's task (its lease lapses if this fails).
-        self._spawn(self._finish_shared(grant, delta))
+        self._spawn(self._finish_shared(grant, delta, refund_request))
 
-    async def _finish_shared(self, grant: Grant, delta: int) -> None:
+    async def _finish_shared(self, grant: Grant, delta: int, refund_request: bool) -> None:
         assert self.redis is not None
         try:
             await self.redis.release(grant.entry, grant.lease)
             await self.redis.settle(grant.entry, delta)
+            if refund_request:
+                await self.redis.refund_request(grant.entry)
         except (RedisError, OSError) as exc:
             self._redis_failed("finish", exc)
 
@@ -309,7 +337,7 @@ class Limiter:
             await asyncio.sleep(LEASE_SECONDS / 3)
             held: dict[str, list[str]] = {}
             for lease, grant in list(self._held.items()):
-                held.setdefault(grant.entry.name, []).append(lease)
+                held.setdefault(grant.entry.id, []).append(lease)
             if self._orphans:
                 await self._release_orphans()
             if not held:
@@ -332,7 +360,7 @@ class Limiter:
             log.warning(
                 "limits: Redis at %s does not answer (%s): limiting each process on its own "
                 "until it does",
-                self.redis.url if self.redis else "",
+                redact_url(self.redis.url) if self.redis else "",
                 exc,
             )
 

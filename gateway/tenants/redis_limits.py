@@ -141,8 +141,10 @@ return 0
 )
 
 
-def key_of(name: str, window: str) -> str:
-    return f"{PREFIX}{{{name}}}:{window}"
+def key_of(key_id: str, window: str) -> str:
+    """A key's window, by its stable id (a name revoked and added again is a
+    new key, with windows of its own)."""
+    return f"{PREFIX}{{{key_id}}}:{window}"
 
 
 class RedisLimits:
@@ -163,7 +165,7 @@ class RedisLimits:
         self._renew = self._client.register_script(RENEW)
 
     async def admit(self, entry: KeyEntry, cost: int, lease: str) -> Decision:
-        keys = [key_of(entry.name, w) for w in ("rpm", "tpm", "conc")]
+        keys = [key_of(entry.id, w) for w in ("rpm", "tpm", "conc")]
         args: list[Any] = [
             entry.requests_per_minute,
             entry.tokens_per_minute,
@@ -194,20 +196,25 @@ class RedisLimits:
 
     async def settle(self, entry: KeyEntry, delta: int) -> None:
         if entry.tokens_per_minute and delta:
-            await self._settle([key_of(entry.name, "tpm")], [entry.tokens_per_minute, delta])
+            await self._settle([key_of(entry.id, "tpm")], [entry.tokens_per_minute, delta])
+
+    async def refund_request(self, entry: KeyEntry) -> None:
+        """Give back one request of the key's requests window."""
+        if entry.requests_per_minute:
+            await self._settle([key_of(entry.id, "rpm")], [entry.requests_per_minute, -1])
 
     async def release(self, entry: KeyEntry, lease: str) -> None:
         if entry.max_concurrent:
-            await self._client.zrem(key_of(entry.name, "conc"), lease)
+            await self._client.zrem(key_of(entry.id, "conc"), lease)
 
     async def renew(self, leases: dict[str, list[str]]) -> None:
-        """Push back the lapse of ``leases`` (by key name) still held."""
+        """Push back the lapse of ``leases`` (by key id) still held."""
         for name, held in leases.items():
             await self._renew([key_of(name, "conc")], [self.lease_ms, *held])
 
-    async def running(self, name: str) -> int:
-        """Leases of ``name`` not yet lapsed (for tests and operators)."""
-        return int(await self._client.zcard(key_of(name, "conc")))
+    async def running(self, key_id: str) -> int:
+        """Leases of the key ``key_id`` not yet lapsed (for tests and operators)."""
+        return int(await self._client.zcard(key_of(key_id, "conc")))
 
     async def close(self) -> None:
         await self._client.aclose()

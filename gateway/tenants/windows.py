@@ -109,7 +109,7 @@ class MemoryLimits:
 
     def admit(self, entry: KeyEntry, cost: int) -> Decision:
         now = self.clock()
-        name = entry.name
+        name = entry.id  # the key's stable id: a name added again is a new key
         requests = tokens = None
         if entry.requests_per_minute:
             requests = gcra(self._requests.get(name, now), now, 1, entry.requests_per_minute)
@@ -134,18 +134,26 @@ class MemoryLimits:
         if not entry.tokens_per_minute or not delta:
             return
         now = self.clock()
-        tat = max(self._tokens.get(entry.name, now), now)
-        self._tokens[entry.name] = tat + delta * WINDOW / entry.tokens_per_minute
+        tat = max(self._tokens.get(entry.id, now), now)
+        self._tokens[entry.id] = tat + delta * WINDOW / entry.tokens_per_minute
+
+    def refund_request(self, entry: KeyEntry) -> None:
+        """Give back one request of the key's requests window."""
+        if not entry.requests_per_minute:
+            return
+        now = self.clock()
+        tat = max(self._requests.get(entry.id, now), now)
+        self._requests[entry.id] = tat - WINDOW / entry.requests_per_minute
 
     def release(self, entry: KeyEntry) -> None:
-        running = self._running.get(entry.name, 0)
+        running = self._running.get(entry.id, 0)
         if running <= 1:
-            self._running.pop(entry.name, None)
+            self._running.pop(entry.id, None)
         else:
-            self._running[entry.name] = running - 1
+            self._running[entry.id] = running - 1
 
-    def running(self, name: str) -> int:
-        return self._running.get(name, 0)
+    def running(self, key_id: str) -> int:
+        return self._running.get(key_id, 0)
 
 
 def decide(refused: str, requests: Window | None, tokens: Window | None, in_use: int) -> Decision:

@@ -58,6 +58,28 @@ async def test_finished_is_known_when_the_last_item_arrives_not_when_it_is_read(
     handle.close()
 
 
+async def test_computed_counts_the_prompt_and_each_token_until_the_usage_replaces_them() -> None:
+    handle, delivery, _ = opened()
+    assert handle.computed() is None  # nothing computed yet: nothing to bill
+    first = protocol.Delta("r", 0, "a", num_tokens=1, prompt_tokens=12)
+    delivery.deliver(first)
+    delivery.deliver(protocol.Delta("r", 0, "bc", num_tokens=2))
+    # A client that leaves now is billed what the engine computed for it.
+    assert handle.computed() == protocol.Usage(12, 3)
+    delivery.deliver(protocol.Delta("r", 0, usage=protocol.Usage(12, 4)))
+    assert handle.computed() == protocol.Usage(12, 4)
+    handle.close()
+
+
+async def test_a_failure_keeps_what_was_computed_before_it() -> None:
+    handle, delivery, _ = opened()
+    delivery.deliver(protocol.Delta("r", 0, "a", num_tokens=1, prompt_tokens=5))
+    delivery.deliver(WorkerLost("its connection dropped"))
+    assert handle.finished
+    assert handle.computed() == protocol.Usage(5, 1)
+    handle.close()
+
+
 async def test_next_nowait_takes_only_what_is_already_here() -> None:
     handle, delivery, _ = opened()
     assert handle.next_nowait() is None

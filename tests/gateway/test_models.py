@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.models import Models, Tier
+from gateway.models import Models, Tier, prompt_parts
 from shared import config
 
 CONFIG = """\
@@ -96,3 +96,23 @@ def test_the_model_list_shows_aliases_and_auto() -> None:
         {"id": "fast", "alias_for": "cheap"},
         {"id": "auto", "routes_to": ["big", "fast"]},
     ]
+
+
+def test_the_prompt_estimate_counts_every_dialects_prompt_fields() -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    texts, ids = prompt_parts(
+        {
+            "instructions": "be brief",
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+            "system": [{"type": "text", "text": "you are a bot"}],
+            "messages": [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]},
+            ],
+            "tools": [tool],
+        }
+    )
+    assert ids == 0
+    for text in ("q", "{}", "hi", "be brief", "you are a bot", '"name":"f"'):
+        assert any(text in t for t in texts), text
+    assert models().prompt_tokens({"input": "x" * 40, "instructions": "y" * 40}) >= 20

@@ -29,6 +29,7 @@ from gateway.tenants.limits import (
     HEADERS_KEY,
     Limiter,
     LimitScope,
+    choices_of,
     duration,
     rate_headers,
     reservation,
@@ -66,8 +67,9 @@ def earned(per_minute: int, since: float) -> int:
 
 
 def key(**limits: int) -> KeyEntry:
-    """A key with ``limits``, under a name no other test uses (Redis outlives tests)."""
-    return KeyEntry(name=f"team-{uuid.uuid4().hex[:8]}", key_sha256="0" * 64, **limits)
+    """A key with ``limits``, a name and an id no other test uses (Redis outlives tests)."""
+    digest = uuid.uuid4().hex * 2
+    return KeyEntry(name=f"team-{digest[:8]}", key_sha256=digest, **limits)
 
 
 async def take(limiter: Limiter, entry: KeyEntry, cost: int = 0) -> dict[str, Any]:
@@ -268,7 +270,7 @@ async def test_leases_of_running_requests_are_renewed(
     store = limiter.redis = RedisLimits(redis_server.url, lease_seconds=3.0, timeout=PATIENT)
     await limiter.start()
     entry = key(max_concurrent=1)
-    conc = key_of(entry.name, "conc")
+    conc = key_of(entry.id, "conc")
     client = redis.asyncio.Redis.from_url(redis_server.url)
     try:
         scope = await take(limiter, entry)
@@ -279,10 +281,10 @@ async def test_leases_of_running_requests_are_renewed(
         while await client.zscore(conc, lease) == lapses:
             assert time.monotonic() < deadline, "the lease was not renewed within 30 s"
             await asyncio.sleep(0.05)
-        assert await store.running(entry.name) == 1
+        assert await store.running(entry.id) == 1
         await refused(limiter, entry)
         await end(limiter, scope)
-        assert await store.running(entry.name) == 0
+        assert await store.running(entry.id) == 0
     finally:
         await client.aclose()
         await limiter.stop()
@@ -382,6 +384,18 @@ async def test_an_error_refunds_but_a_client_that_left_pays_its_reservation() ->
     assert "on tokens per min (TPM)" in error.message
 
 
+async def test_the_gateways_own_refusal_gives_the_request_back(limiter: Limiter) -> None:
+    entry = key(requests_per_minute=2)
+    # No worker for its model (503 model_not_ready), the queue full (429): not
+    # the key's doing, so not one of its requests.
+    await end(limiter, await take(limiter, entry), status=503)
+    await end(limiter, await take(limiter, entry), status=429)
+    await end(limiter, await take(limiter, entry), status=400)  # the client's own error: counted
+    last = await take(limiter, entry)
+    assert last[HEADERS_KEY]["x-ratelimit-remaining-requests"] == "0"
+    await refused(limiter, entry)
+
+
 async def test_a_cache_hit_costs_no_tokens() -> None:
     limiter = Limiter()
     entry = key(tokens_per_minute=100)
@@ -447,6 +461,26 @@ def test_reservation(
     raw: dict[str, Any], prompt: int, context: int, choices: int, cost: int
 ) -> None:
     assert reservation(raw, prompt, context, choices) == cost
+
+
+@pytest.mark.parametrize(
+    ("raw", "choices"),
+    [
+        ({"messages": []}, 1),
+        ({"messages": [], "n": 3}, 3),
+        ({"prompt": "x", "n": 2, "best_of": 5}, 5),  # best_of sequences are generated
+        ({"prompt": ["a", "b"], "n": 2}, 4),
+        ({"prompt": [1, 2, 3]}, 1),  # one prompt of token ids
+        ({"prompt": [[1], [2]]}, 2),
+        ({"messages": [], "n": True}, 1),
+        ({"messages": [[{"role": "user"}], [{"role": "user"}]], "n": 2}, 4),  # chat batch
+        ({"messages": [{"role": "user"}]}, 1),
+    ],
+)
+def test_a_reservation_counts_every_sequence_a_forwarded_request_may_generate(
+    raw: dict[str, Any], choices: int
+) -> None:
+    assert choices_of(raw) == choices
 
 
 @pytest.mark.parametrize(
