@@ -23,6 +23,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from shared.redact import redact_url
+
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "llmgate-gateway"
@@ -49,7 +51,7 @@ def setup(endpoint: str) -> None:
     provider.add_span_processor(BatchSpanProcessor(_exporter(endpoint)))
     atexit.register(provider.shutdown)
     TRACER = provider.get_tracer("llmgate.gateway")
-    log.info("tracing requests to %s", endpoint)
+    log.info("tracing requests to %s", redact_url(endpoint))
 
 
 def _exporter(endpoint: str) -> Any:

@@ -3,8 +3,11 @@
 Each child runs in its own process group, so stopping one also stops what
 it spawned (vLLM's engine-core process). Its stderr (its log, argparse's
 message, a traceback) comes through the launcher (``relay_output``), which
-keeps its last lines for the message that ends serve when it exits at once;
-stdout (vLLM's log) is the launcher's own.
+keeps its last lines for the message that ends serve when it fails its
+start; stdout (vLLM's log) is the launcher's own. A child is ready once its
+main process listens on its ``port`` (``check_ready``): the gateway's HTTP
+port, a worker's ZeroMQ port, which it binds only once its engine has
+started. The command line the launcher logs shows no secret (``redacted``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
+import psutil
+
+from shared.redact import redact_url
 from worker import rpc_dir
 
 log = logging.getLogger("llmgate.launcher")
@@ -28,8 +34,9 @@ TAIL_BYTES = 16 * 1024
 TAIL_LINES = 10
 TAIL_LINE_CHARS = 500
 # Flags whose values stay out of the log, which shows each child's command
-# line (API keys never reach a log).
-SECRET_FLAGS = ("--api-keys",)
+# line. serve hands its own secrets over in the environment; these are what
+# could still come in with the engine flags (vLLM's) or a hand-made Child.
+SECRET_FLAGS = ("--api-keys", "--api-key", "--hf-token")
 
 
 @dataclass
@@ -49,9 +56,15 @@ class Child:
     # The end of the current process's stderr, and the thread copying it.
     tail: bytearray = field(default_factory=bytearray)
     relay: threading.Thread | None = None
+    # The TCP port the child listens on once it serves (0: it never says).
+    port: int = 0
+    # Whether the current process has been ready, and whether any has.
+    ready: bool = False
+    ever_ready: bool = False
 
     def start(self) -> None:
         log.info("starting %s: %s", self.name, " ".join(redacted(self.argv)))
+        self.ready = False
         env = dict(self.env)
         if self.own_rpc_dir:
             self.rpc_dir = rpc_dir.make(env, self.name)
@@ -68,6 +81,27 @@ class Child:
             daemon=True,
         )
         self.relay.start()
+
+    def check_ready(self) -> bool:
+        """Whether the current process is, or has been, ready: its main process
+        listens on ``port`` (the gateway: its app started, a worker: its engine).
+        Only that process's sockets count: another program on the port, or a
+        port vLLM's engine opens below a worker, does not make it ready."""
+        if self.ready or self.proc is None or not self.port:
+            return self.ready
+        try:
+            listening = psutil.Process(self.proc.pid).net_connections(kind="tcp")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return False
+        if any(c.status == psutil.CONN_LISTEN and c.laddr.port == self.port for c in listening):
+            self.ready = self.ever_ready = True
+            log.info(
+                "%s is ready: it listens on port %d, %.0fs after its start",
+                self.name,
+                self.port,
+                time.monotonic() - self.started_at,
+            )
+        return self.ready
 
     def last_lines(self, wait: float = 5.0) -> list[str]:
         """The last lines of the process's stderr, once it is copied through
@@ -98,16 +132,18 @@ class Child:
 
 
 def redacted(argv: Sequence[str]) -> list[str]:
-    """``argv`` with the values of ``SECRET_FLAGS`` hidden."""
+    """``argv`` with the values of ``SECRET_FLAGS`` hidden, and URLs' passwords."""
     out: list[str] = []
     for arg in argv:
-        name, eq, _value = arg.partition("=")
-        if out and out[-1] in SECRET_FLAGS:
+        name, eq, value = arg.partition("=")
+        if out and out[-1] in SECRET_FLAGS and not arg.startswith("--"):
             out.append("***")
         elif name in SECRET_FLAGS and eq:
             out.append(f"{name}=***")
+        elif name.startswith("--") and eq:
+            out.append(f"{name}={redact_url(value)}")
         else:
-            out.append(arg)
+            out.append(redact_url(arg))
     return out
 
 

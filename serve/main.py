@@ -17,7 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmgate serve",
         description="Start workers and a gateway and keep them running; a child that "
-        "exits at once (a bad flag or setting) stops it with the child's message. "
+        "fails its start (exits before it is ever ready: a bad flag or setting) stops "
+        "it with the child's message. "
         "The gateway's settings go to the gateway; unknown flags are passed to every "
         "worker (vLLM engine flags).",
         # An abbreviation of one of our flags is an engine flag's whole name

@@ -19,7 +19,9 @@ a worker has too (``--heartbeat-interval``, ``--drain-timeout``), which go to
 both, as their ``LLMGATE_*`` variables do. ``--workers`` is not one of them:
 the gateway's workers are the ones serve starts. Flags the launcher does not
 know are passed to every worker: they are vLLM engine flags (``--model``,
-``--dtype``, ``--max-model-len``, ...).
+``--dtype``, ``--max-model-len``, ...). Secrets (``settings.SECRET_SETTINGS``:
+API keys, the stores' URLs) go in the child's environment as ``LLMGATE_*``
+variables, never on its command line.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from pathlib import Path
 from serve.children import Child
 from shared import config as pools_config
 from shared import settings
+from shared.redact import redact_url
 
 log = logging.getLogger("llmgate.launcher")
 
@@ -220,6 +223,21 @@ def worker_address(serve: settings.ServeSettings, index: int) -> str:
     return f"tcp://127.0.0.1:{serve.worker_base_port + index}"
 
 
+def hand_over(
+    namespace: argparse.Namespace, names: Sequence[str]
+) -> tuple[list[str], dict[str, str]]:
+    """The settings among ``names`` given on serve's command line, for a child:
+    flags (``--name=value``), and the secret ones as its ``LLMGATE_*`` variables
+    (a given flag wins over serve's own environment, as on serve's command line)."""
+    flags = settings.given_flags(namespace, [n for n in names if n not in settings.SECRET_SETTINGS])
+    env = {
+        settings.env_name(name): str(getattr(namespace, name))
+        for name in names
+        if name in settings.SECRET_SETTINGS and hasattr(namespace, name)
+    }
+    return flags, env
+
+
 def _worker_child(
     index: int,
     serve: settings.ServeSettings,
@@ -248,11 +266,21 @@ def _worker_child(
         # vLLM's own spans, in the trace the gateway starts for each request.
         argv += ["--otlp-traces-endpoint", serve.otlp_endpoint]
     argv += engine_args
-    return Child(name=f"worker-{index}", argv=argv, env=env, own_rpc_dir=True)
+    return Child(
+        name=f"worker-{index}",
+        argv=argv,
+        env=env,
+        own_rpc_dir=True,
+        # It binds its port once its engine has started: then it is ready.
+        port=serve.worker_base_port + index,
+    )
 
 
 def _gateway_child(
-    serve: settings.ServeSettings, num_workers: int, gateway_flags: Sequence[str] = ()
+    serve: settings.ServeSettings,
+    num_workers: int,
+    gateway_flags: Sequence[str] = (),
+    gateway_env: dict[str, str] | None = None,
 ) -> Child:
     workers = ",".join(worker_address(serve, i) for i in range(num_workers))
     argv = [
@@ -269,21 +297,24 @@ def _gateway_child(
         serve.log_level,
         "--log-format",
         serve.log_format,
-        "--otlp-endpoint",
-        serve.otlp_endpoint,
     ]
     if serve.config:
         argv += ["--config", str(Path(serve.config).resolve())]
     # The response cache and the state directory (batch jobs) are the gateway's.
     argv += [
-        *("--cache", serve.cache, "--cache-ttl", str(serve.cache_ttl)),
+        *("--cache-ttl", str(serve.cache_ttl)),
         *("--cache-max-bytes", str(serve.cache_max_bytes), "--cache-scope", serve.cache_scope),
         *("--state-dir", serve.state_dir),
         *("--batch-max-inflight", str(serve.batch_max_inflight)),
         # The gateway's own settings given to serve (GATEWAY_FLAGS).
         *gateway_flags,
     ]
-    return Child(name="gateway", argv=argv, env=dict(os.environ))
+    # URLs (a Redis's, a collector's) may carry a password: not on a command line.
+    env = dict(os.environ)
+    env[settings.env_name("cache")] = serve.cache
+    env[settings.env_name("otlp_endpoint")] = serve.otlp_endpoint
+    env.update(gateway_env or {})
+    return Child(name="gateway", argv=argv, env=env, port=serve.port)
 
 
 def plan_children(
@@ -292,7 +323,16 @@ def plan_children(
     """The workers, then the gateway, from serve's parsed command line: the
     gateway's settings given (``GATEWAY_FLAGS``) go to the gateway, those a
     worker has too (``SHARED_FLAGS``) and the engine flags to every worker."""
-    worker_args = [*settings.given_flags(namespace, SHARED_FLAGS), *engine_args]
+    if redact_url(serve.otlp_endpoint) != serve.otlp_endpoint:
+        # It reaches vLLM as its --otlp-traces-endpoint flag, on the workers'
+        # command lines.
+        settings.refuse(
+            "llmgate serve: --otlp-endpoint with a password would be on the workers' "
+            "command lines: give the collector's credentials in "
+            "OTEL_EXPORTER_OTLP_TRACES_HEADERS instead"
+        )
+    shared_flags, shared_env = hand_over(namespace, SHARED_FLAGS)
+    worker_args = [*shared_flags, *engine_args]
     if serve.config:
         try:
             config = pools_config.load(serve.config)
@@ -304,5 +344,7 @@ def plan_children(
             settings.refuse(f"llmgate serve: {serve.config}: {exc}")
     else:
         workers = plan_workers(serve, worker_args)
-    gateway_flags = settings.given_flags(namespace, GATEWAY_FLAGS)
-    return [*workers, _gateway_child(serve, len(workers), gateway_flags)]
+    for worker in workers:
+        worker.env.update(shared_env)
+    gateway_flags, gateway_env = hand_over(namespace, GATEWAY_FLAGS)
+    return [*workers, _gateway_child(serve, len(workers), gateway_flags, gateway_env)]

@@ -1,9 +1,11 @@
 """Keeps ``llmgate serve``'s children running, and stops them all together.
 
-* A child that exits is restarted with exponential backoff (reset after it
-  has run a minute). A child that exits at once instead (status 2, a usage
-  or configuration error: argparse's, or settings it refuses; or any exit
-  within ``EARLY_EXIT_SECONDS`` of its start) would do the same again:
+* A child that exits after it has been ready (``Child.check_ready``: it
+  listened on its port) is restarted with exponential backoff (reset after
+  it has run a minute). A child that fails its start instead, exiting
+  before it was ever ready (however long it tried: a worker's engine takes
+  a minute on a CPU) or with status 2 at any time (a usage or configuration
+  error: argparse's, or settings it refuses), would do the same again:
   serve stops the others and exits non-zero, ending with that child's last
   lines of output.
 * SIGINT/SIGTERM stop them all: SIGTERM to each child's main process first,
@@ -34,24 +36,22 @@ log = logging.getLogger("llmgate.launcher")
 # Longer than a worker's default drain (30 s), so draining is not cut short.
 STOP_GRACE_SECONDS = 40.0
 HEALTHY_RUN_SECONDS = 60.0
-# A child that exits sooner than this after its start did not get as far as
-# serving: it refused its settings or could not start at all, and would do
-# the same again after a restart. (A worker takes longer than this to import
-# vLLM and parse its flags; argparse's status, 2, tells on it.)
-EARLY_EXIT_SECONDS = 2.0
 
 
-def exited_at_once(code: int, ran: float) -> bool:
-    """Whether a child that exited with ``code`` after ``ran`` seconds did so
-    on a usage or configuration error, so that a restart would fail the same.
+def failed_at_start(code: int, ever_ready: bool) -> bool:
+    """Whether a child that exited with ``code`` failed its start, so that a
+    restart would fail the same, rather than crashed (restarted).
 
     Status 2 is argparse's and ``settings.refuse``'s, at any time. Otherwise
-    any exit within ``EARLY_EXIT_SECONDS`` of the start, but not a death by
-    a signal (negative ``code``): someone killed it, and it may well start.
+    an exit before the child was ever ready (a bad engine flag, a model
+    that does not fit, a port in use: a restart gets no further),
+    but not a death by a signal (negative ``code``): someone killed it, and
+    it may well start. Once it has served, a failure is a crash, and even a
+    restart that fails its start again is retried: what worked may again.
     """
     if code == settings.SETTINGS_ERROR_STATUS:
         return True
-    return code >= 0 and ran < EARLY_EXIT_SECONDS
+    return code >= 0 and not ever_ready
 
 
 def become_subreaper() -> None:
@@ -92,7 +92,7 @@ class Supervisor:
         self.children = children
         self.stopping = False
         self.force = False
-        # The child that exited at once (exited_at_once), its status and run time.
+        # The child that failed its start (failed_at_start), its status and run time.
         self.failed: tuple[Child, int, float] | None = None
 
     def request_stop(self, signum: int, _frame: object) -> None:
@@ -120,14 +120,14 @@ class Supervisor:
         child, code, ran = self.failed
         # Last, so that it ends serve's output: the others' stopping came before.
         log.error(
-            "%s exited with status %s %.1fs after its start: a usage or configuration "
-            "error (status %d, or an exit within %.0fs), which a restart would repeat, "
-            "so llmgate serve stops. Its last lines:\n%s",
+            "%s exited with status %s %.1fs after its start: it failed its start (a "
+            "usage or configuration error, status %d, or an exit before it was ever "
+            "ready), which a restart would repeat, so llmgate serve stops. "
+            "Its last lines:\n%s",
             child.name,
             code,
             ran,
             settings.SETTINGS_ERROR_STATUS,
-            EARLY_EXIT_SECONDS,
             "\n".join(f"    {line}" for line in child.last_lines()) or "    (none)",
         )
         return code if code > 0 else 1
@@ -148,6 +148,8 @@ class Supervisor:
                 if now >= child.next_start:
                     child.start()
                 continue
+            # (It looks at the child's sockets only until it has been ready.)
+            child.check_ready()
             code = child.proc.poll()
             if code is None:
                 continue
@@ -155,7 +157,7 @@ class Supervisor:
             # with an orphaned old one for memory and cores.
             child.signal_group(signal.SIGKILL)
             ran = now - child.started_at
-            if exited_at_once(code, ran):
+            if failed_at_start(code, child.ever_ready):
                 log.error(
                     "%s exited with status %s %.1fs after its start: stopping everything",
                     child.name,

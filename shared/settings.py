@@ -34,6 +34,7 @@ from shared.flags import _flag as flag_name
 
 __all__ = [
     "ENV_PREFIX",
+    "SECRET_SETTINGS",
     "SETTINGS_ERROR_STATUS",
     "GatewaySettings",
     "ServeSettings",
@@ -51,6 +52,13 @@ __all__ = [
 ]
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+
+# Settings whose values are secrets (API keys) or URLs that may carry a
+# password: ``llmgate serve`` hands them to its children as ``LLMGATE_*``
+# variables, never on a command line (any user of the machine can read one
+# in /proc, and serve logs its children's), and a log shows such a URL only
+# through ``shared.redact``.
+SECRET_SETTINGS = frozenset({"api_keys", "state_db", "limits", "cache", "otlp_endpoint"})
 
 
 def _help(text: str) -> msgspec.Meta:
@@ -220,8 +228,13 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
             "changes; adds to --api-keys"
         ),
     ] = ""
+    # Kept so that deployments that set it still start.
     protect_metrics: Annotated[
-        bool, _help("with API keys, require one on /metrics too (/health and /ready stay open)")
+        bool,
+        _help(
+            "deprecated, changes nothing: with API keys, /metrics always takes an admin "
+            "key (/health and /ready stay open)"
+        ),
     ] = False
     limits: Annotated[
         str,

@@ -19,6 +19,7 @@ from gateway.cache.cache import Entry, ResponseCache, Store
 from gateway.cache.keys import Controls, Scope, controls, in_scope, key_for
 from gateway.cache.memory import MemoryStore
 from shared.cache_settings import SCOPES
+from shared.redact import redact_url
 
 if TYPE_CHECKING:
     from shared.config import Config
@@ -70,5 +71,5 @@ def open_cache(url: str, ttl: float, max_bytes: int, scope: str) -> ResponseCach
         from gateway.cache.redis_store import RedisStore
 
         store = RedisStore(url)
-        name = url
+        name = redact_url(url)
     return ResponseCache(store, ttl, cast(Scope, scope), name)

@@ -60,7 +60,7 @@ class ResponseCache:
         self.store = store
         self.ttl = ttl
         self.scope: Scope = scope
-        self.name = name  # for logs: "memory" or the Redis URL
+        self.name = name  # for logs: "memory" or the Redis URL (its password hidden)
         self._down_until = 0.0
 
     async def get(self, key: str) -> Entry | None:

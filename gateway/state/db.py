@@ -34,6 +34,7 @@ from sqlalchemy import Connection, Engine, event, select
 from sqlalchemy.engine import make_url
 
 from gateway.state.schema import MIGRATIONS, migrations_table
+from shared.redact import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class Database:
         """``url``: ``postgresql://...`` (``--state-db``), or empty for SQLite in ``directory``."""
         if url:
             parsed = self.check_url(url)
-            self.where = parsed.render_as_string(hide_password=True)
+            self.where = redact_url(url)
             self.engine: Engine = sqlalchemy.create_engine(
                 parsed.set(drivername="postgresql+psycopg"),
                 pool_pre_ping=True,
@@ -100,7 +101,7 @@ class Database:
         if parsed.get_backend_name() != "postgresql":
             raise ValueError(
                 "--state-db must be a postgresql:// URL (empty = SQLite in --state-dir), "
-                f"not {parsed.render_as_string(hide_password=True)!r}"
+                f"not {redact_url(url)!r}"
             )
         return parsed
 

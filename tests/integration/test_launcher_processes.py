@@ -1,6 +1,6 @@
 """``llmgate serve`` as processes: what runs, the gateway's settings, crash
-restart, a clean stop, and a stop with the message of a child that refuses
-its settings.
+restart, a clean stop, a stop with the message of a child that refuses
+its settings, and no secret on any command line or in the log.
 
 Slow: starts its own system (and a second engine after the crash), so it
 does not disturb the session's shared one; the refusals start no engine.
@@ -9,6 +9,7 @@ does not disturb the session's shared one; the refusals start no engine.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -17,7 +18,10 @@ from pathlib import Path
 
 import httpx
 import psutil
+import psycopg
 import pytest
+import redis
+from psycopg import sql
 
 from loadtest import capacity
 from shared.ports import free_port, free_port_range
@@ -27,11 +31,14 @@ from tests.conftest import (
     ROOT,
     STARTUP_TIMEOUT,
     Served,
+    engine_on_last_core,
     launch_serve,
     launched_ahead,
     stop_serve,
     wait_ready,
 )
+from tests.integration.postgres_server import PostgresServer
+from tests.integration.redis_server import RedisServer
 from tests.integration.test_cpu_layout import vllm_binding
 from tests.integration.test_pool import wait_for
 
@@ -214,3 +221,72 @@ def test_a_gateway_refusing_its_settings_stops_serve_within_seconds(tmp_path: Pa
     assert "gateway exited with status 2" in output and "restart 1 in" not in output
     # Seconds, not a worker's start: the bound leaves room for a loaded machine.
     assert ran < 60, output[-5000:]
+
+
+def test_no_secret_on_a_command_line_or_in_the_log(
+    tmp_path: Path, postgres_server: PostgresServer
+) -> None:
+    """API keys, a PostgreSQL password (--state-db) and a Redis password
+    (--limits, and --cache from serve's environment) reach the gateway through
+    its environment: no process below serve has them on its command line
+    (which any user can read), and serve's log shows the URLs redacted."""
+    api_key = f"sk-{secrets.token_hex(8)}"
+    db_password = f"pg{secrets.token_hex(8)}"
+    redis_password = f"rd{secrets.token_hex(8)}"
+    # A role with a password (the test cluster trusts local logins, so it is
+    # not checked there; it is in the URL as a deployment's would be).
+    with psycopg.connect(postgres_server.url, autocommit=True) as connection:
+        connection.execute(
+            sql.SQL("CREATE ROLE secretive LOGIN PASSWORD {}").format(sql.Literal(db_password))
+        )
+        connection.execute("CREATE DATABASE secretive OWNER secretive")
+    state_db = f"postgresql://secretive:{db_password}@127.0.0.1:{postgres_server.port}/secretive"
+    # A Redis of the test's own, which asks for its password.
+    store = RedisServer(tmp_path)
+    store.start()
+    try:
+        redis.Redis(port=store.port).config_set("requirepass", redis_password)
+        limits = f"redis://:{redis_password}@127.0.0.1:{store.port}/0"
+        cache = f"redis://:{redis_password}@127.0.0.1:{store.port}/1"
+        # Flags given to serve are on its own command line (the caller's
+        # choice); serve once passed them on as flags, and --cache too.
+        served = launch_serve(
+            tmp_path / "serve.log",
+            *("--api-keys", api_key, "--state-db", state_db, "--limits", limits),
+            env={**engine_on_last_core(), "LLMGATE_CACHE": cache},
+        )
+        try:
+            wait_ready(served)
+            answer = httpx.post(
+                f"{served.base_url}/v1/completions",
+                headers={"Authorization": f"Bearer {api_key}"},
+                json={"model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": 0},
+                timeout=120,
+            )
+            assert answer.status_code == 200, answer.text
+            # The cache's Redis took the answer: its password works.
+            cached = redis.Redis(port=store.port, db=1, password=redis_password)
+            wait_for(lambda: cached.dbsize() > 0, 60, show=served.log_tail)
+            # Its URL is logged, redacted.
+            served.wait_for_log(
+                f"state store: postgresql://secretive:***@127.0.0.1:{postgres_server.port}/secretive"
+            )
+            launcher = psutil.Process(served.proc.pid)
+            command_lines = {}
+            for proc in launcher.children(recursive=True):
+                try:
+                    command_lines[proc.pid] = " ".join(proc.cmdline())
+                except (psutil.NoSuchProcess, psutil.ZombieProcess):
+                    continue
+        finally:
+            stop_serve(served)
+    finally:
+        store.stop()
+    assert any("gateway.main" in line for line in command_lines.values()), command_lines
+    assert any("worker.main" in line for line in command_lines.values()), command_lines
+    assert any("EngineCore" in line for line in command_lines.values()), command_lines
+    log = served.log_path.read_text(errors="replace")
+    for secret in (api_key, db_password, redis_password):
+        on = [pid for pid, line in command_lines.items() if secret in line]
+        assert not on, f"a secret on the command line of {on}: {command_lines}"
+        assert secret not in log, f"a secret in serve's log:\n{served.log_tail(200)}"

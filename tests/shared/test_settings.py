@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
@@ -46,3 +47,16 @@ def test_every_setting_has_help_text() -> None:
     for cls in (settings.GatewaySettings, settings.WorkerSettings, settings.ServeSettings):
         for name, _kind, _default, help_text in settings.fields(cls):
             assert help_text, f"{cls.__name__}.{name} has no help text"
+
+
+def test_every_setting_that_takes_a_store_url_is_a_secret() -> None:
+    """A store's URL may carry a password: ``llmgate serve`` hands such settings
+    over in the environment, never on a command line (serve.plan)."""
+    takes_url = {
+        name
+        for cls in (settings.GatewaySettings, settings.ServeSettings, settings.WorkerSettings)
+        for name, _kind, _default, help_text in settings.fields(cls)
+        if re.search(r"\b(rediss?|postgresql)://|\bURL\b", help_text)
+    }
+    assert takes_url == {"cache", "limits", "state_db"}
+    assert takes_url | {"api_keys", "otlp_endpoint"} == settings.SECRET_SETTINGS
