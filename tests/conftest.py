@@ -217,6 +217,10 @@ def launch_session_serve(directory: Path) -> Served:
         "--worker-metrics-port",
         str(metrics_port),
         *TOOL_FLAGS,
+        # vLLM logs each request its engine takes ("Added request ID-..."):
+        # what the batch tests count to see that no line ran twice
+        # (tests/integration/test_batches.py, engine_runs).
+        "--enable-log-requests",
         env={**limits, **engine, **PATIENCE},
     )
     running.worker_metrics_port = metrics_port
