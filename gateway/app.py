@@ -60,7 +60,7 @@ def create_app(settings: GatewaySettings) -> ASGIApp:
     # The batch runner runs a job's lines as its owner's key (gateway.batch.runner).
     api.state.keyring = ring
     if len(ring):
-        app = auth.ApiKeyMiddleware(app, keys=ring, protect_metrics=settings.protect_metrics)
+        app = auth.ApiKeyMiddleware(app, keys=ring)
     return request_ids.RequestIds(app)
 
 

@@ -7,6 +7,7 @@ Every error a client can see is a :class:`GatewayError`:
     │   └── PayloadTooLarge          (413 invalid_request_error)
     ├── Unauthorized                 (401 invalid_request_error, code invalid_api_key)
     ├── Forbidden                    (403 invalid_request_error, code model_not_allowed)
+    │   └── AdminOnly                (403 invalid_request_error, no code: /metrics)
     ├── NotFound                     (404 invalid_request_error: no such route)
     │   └── ModelNotFound            (404 invalid_request_error, code model_not_found)
     ├── Overloaded                   (429 rate_limit_exceeded, Retry-After)
@@ -82,7 +83,14 @@ class Forbidden(GatewayError):
 
     status = 403
     type = "invalid_request_error"
-    code = "model_not_allowed"
+    code: ClassVar[str | None] = "model_not_allowed"
+
+
+class AdminOnly(Forbidden):
+    """A route for operators (``/metrics``) asked for with a key that is not ``admin``;
+    no code, as OpenAI's own answer for a key without the permission has none."""
+
+    code = None
 
 
 class NotFound(GatewayError):

@@ -127,6 +127,13 @@ def _check_keys(gateway: settings.GatewaySettings) -> None:
         f"{len(api_keys)} configured" if api_keys else "none (open)",
         "CURVE" if curve else "plaintext",
     )
+    if gateway.protect_metrics:
+        log.warning(
+            "--protect-metrics (LLMGATE_PROTECT_METRICS) is deprecated and changes nothing: "
+            "with API keys, /metrics always takes an admin key"
+        )
+    if api_keys and not any(entry.admin for entry in api_keys):
+        log.warning("API keys: none is an admin key, so /metrics answers 403 to every key")
 
 
 def _check_config(gateway: settings.GatewaySettings) -> Config | None:

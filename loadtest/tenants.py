@@ -49,6 +49,8 @@ STARTUP_TIMEOUT_S = 600.0
 QUEUE_TIMEOUT_S = "900"
 FLOODER_KEY = "sk-llmgate-loadtest-flooder"
 TRICKLE_KEY = "sk-llmgate-loadtest-trickle"
+# The gateway's /metrics (its queue depth) takes an admin key.
+OPERATOR_KEY = "sk-llmgate-loadtest-operator"
 PHASES = ("alone", "fair", "fifo")
 
 
@@ -83,6 +85,7 @@ def keys_file(run_dir: Path) -> Path:
         "keys:\n"
         f"  - name: flooder\n    key: {FLOODER_KEY}\n"
         f"  - name: trickle\n    key: {TRICKLE_KEY}\n"
+        f"  - name: operator\n    key: {OPERATOR_KEY}\n    admin: true\n"
     )
     return path
 
@@ -92,7 +95,9 @@ def _auth(key: str) -> dict[str, str]:
 
 
 async def _queue_depth(client: httpx.AsyncClient) -> float:
-    text = (await client.get("/metrics")).text
+    response = await client.get("/metrics", headers=_auth(OPERATOR_KEY))
+    response.raise_for_status()  # else an empty page: a depth of 0 for ever
+    text = response.text
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()

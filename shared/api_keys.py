@@ -5,6 +5,7 @@ before, or YAML with a list under ``keys:``::
 
     keys:
       - name: team-a
+        id: key_9f86d081884c7d65          # optional: else "key_" and 16 hex digits of the hash
         key_sha256: 9f86d081884c7d65...   # or `key: sk-...` (the secret itself)
         requests_per_minute: 600          # optional limits; absent = none
         tokens_per_minute: 200000         # prompt + completion
@@ -17,6 +18,13 @@ Only the SHA-256 of a key is kept in memory (and, written by ``llmgate keys
 add``, in the file), so the file need not hold secrets. A key from a plain
 list or ``--api-keys`` is named ``key-`` and the first 8 hex digits of its
 hash: a stable name for usage and metrics that reveals nothing usable.
+
+A key's ``id`` owns what it makes (files, batches, stored responses, usage
+rows); its ``name`` is what people read (``/v1/usage``, metrics, logs). The
+two differ on purpose: a name revoked and added again with a new secret is a
+new key, with a new id, and owns nothing of the old one's. ``llmgate keys
+add`` writes the id into the file; an entry without one gets ``key_`` and the
+first 16 hex digits of its hash, so the id changes exactly when the secret does.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from typing import Any, Literal
 
 import msgspec
 import yaml
+from msgspec.structs import force_setattr
 
 PRIORITIES = ("interactive", "batch")
 KEY_PREFIX = "sk-llmgate-"
@@ -51,13 +60,38 @@ class KeyEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     models: tuple[str, ...] | None = None
     priority: Literal["interactive", "batch"] = "interactive"
     admin: bool = False
+    # What owns the key's files, batches, responses and usage; "" = derived
+    # from the hash (``derived_id``), filled in on construction.
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            force_setattr(self, "id", derived_id(self.key_sha256))
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
 
 
+class KeyName(str):
+    """A key's name, as usage rows and metrics labels show it, carrying the key's
+    ``id`` (what owns the usage): a str, so code that labels by name takes it as is."""
+
+    id: str
+
+    def __new__(cls, name: str, key_id: str) -> KeyName:
+        label = super().__new__(cls, name)
+        label.id = key_id
+        return label
+
+
+def derived_id(key_sha256: str) -> str:
+    """The id of a key whose entry names none: it follows the secret, not the name."""
+    return "key_" + key_sha256[:16]
+
+
 class _FileEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: str
+    id: str = ""
     key: str = ""
     key_sha256: str = ""
     requests_per_minute: int = 0
@@ -124,6 +158,10 @@ def _parse_yaml(loaded: dict[str, Any], source: str) -> list[KeyEntry]:
             raise ValueError(f"{where}: `name` is required")
         if item.name == ANONYMOUS:
             raise ValueError(f"{where}: {ANONYMOUS!r} is reserved (requests with no key)")
+        if item.id == ANONYMOUS:
+            raise ValueError(f"{where}: the id {ANONYMOUS!r} is reserved (requests with no key)")
+        if item.id and (not item.id.isascii() or not item.id.isprintable() or " " in item.id):
+            raise ValueError(f"{where}: `id` must be printable ASCII without spaces")
         if bool(item.key) == bool(item.key_sha256):
             raise ValueError(f"{where}: give exactly one of `key` and `key_sha256`")
         digest = item.key_sha256.lower()
@@ -148,20 +186,31 @@ def _parse_yaml(loaded: dict[str, Any], source: str) -> list[KeyEntry]:
                 models=tuple(item.models) if item.models is not None else None,
                 priority=item.priority,
                 admin=item.admin,
+                id=item.id,
             )
         )
     return entries
 
 
 def _check_unique(entries: list[KeyEntry], source: str) -> None:
+    check_unique(entries, f"{source}: ", "given twice")
+
+
+def check_unique(entries: list[KeyEntry], where: str, twice: str) -> None:
+    """ValueError (``where``, then what, then ``twice``) for two entries with one
+    name, one id or one key: each would be taken for the other."""
     names: set[str] = set()
+    ids: set[str] = set()
     digests: set[str] = set()
     for entry in entries:
         if entry.name in names:
-            raise ValueError(f"{source}: the name {entry.name!r} is given twice")
+            raise ValueError(f"{where}the name {entry.name!r} is {twice}")
+        if entry.id in ids:
+            raise ValueError(f"{where}the id {entry.id!r} (of {entry.name!r}) is {twice}")
         if entry.key_sha256 in digests:
-            raise ValueError(f"{source}: the key of {entry.name!r} is given twice")
+            raise ValueError(f"{where}the key of {entry.name!r} is {twice}")
         names.add(entry.name)
+        ids.add(entry.id)
         digests.add(entry.key_sha256)
 
 
@@ -203,7 +252,10 @@ def add(path: Path, name: str, **limits: Any) -> str:
     if any(entry.get("name") == name for entry in entries):
         raise ValueError(f"{path} already has a key named {name!r}")
     key = KEY_PREFIX + secrets.token_urlsafe(32)
-    entry: dict[str, Any] = {"name": name, "key_sha256": sha256_hex(key)}
+    digest = sha256_hex(key)
+    # The id written out: what the key makes stays its own even if the
+    # way ids are derived changes, and a name added again gets a new one.
+    entry: dict[str, Any] = {"name": name, "id": derived_id(digest), "key_sha256": digest}
     entry.update({k: v for k, v in limits.items() if v not in (None, 0, False)})
     entries.append(entry)
     parse(yaml.safe_dump({"keys": entries}), str(path))  # what is written must load
@@ -222,7 +274,7 @@ def revoke(path: Path, name: str) -> None:
 
 
 def describe(path: Path) -> list[str]:
-    """One line per key: its name and what it may do (never the key or its hash)."""
+    """One line per key: its name, what it may do and its id (never the key or its hash)."""
     rows = []
     for entry in load(path):
         limits = [
@@ -238,6 +290,7 @@ def describe(path: Path) -> list[str]:
         extra = [entry.priority, *(["admin"] if entry.admin else [])]
         rows.append(
             f"{entry.name}\t{', '.join(limits) or 'no limits'}\t{models}\t{' '.join(extra)}"
+            f"\tid {entry.id}"
         )
     return rows
 

@@ -7,8 +7,9 @@ that needs to know the routes is built from this table:
 * the gateway's FastAPI routes and ``/openapi.json`` (``gateway.routes``),
   the fast path for the builder routes (``gateway.api.direct``), and the
   dialect of every error a route answers, 404 and 405 included;
-* the paths open without an API key (``gateway.api.auth``) and the endpoints
-  a batch line may name (``gateway.batch.jsonl``);
+* the paths open without an API key, and those for admin keys only
+  (``gateway.api.auth``), and the endpoints a batch line may name
+  (``gateway.batch.jsonl``);
 * the worker's allow-list for vLLM's server (``worker.vllm_app``) and the
   routes whose bodies it reads as a completion or a chat (``worker.passthrough``).
 
@@ -36,8 +37,9 @@ Dialect = Literal["openai", "tgi"]
 # * ops: the gateway's health, readiness and metrics, for probes and Prometheus.
 Kind = Literal["builder", "vllm", "models", "batch", "usage", "ops"]
 # Whether a request needs an API key (when keys are configured): always; never
-# (load balancers and probes carry none); or only with --protect-metrics.
-Key = Literal["always", "never", "if --protect-metrics"]
+# (load balancers and probes carry none); or an admin one (what every key
+# did shows there: operators only).
+Key = Literal["always", "never", "admin"]
 # What a route's body is to the worker, when it is a completion or a chat.
 Generates = Literal["completion", "chat"]
 
@@ -122,7 +124,7 @@ RESPONSE_CANCEL = Route("/v1/responses/{response_id}/cancel", ("POST",), "vllm")
 
 # -- the gateway's own operations ---------------------------------------------------
 HEALTH = Route("/health", ("GET",), "ops", key="never")
-METRICS = Route("/metrics", ("GET",), "ops", key="if --protect-metrics")
+METRICS = Route("/metrics", ("GET",), "ops", key="admin")
 READY = Route("/ready", ("GET",), "ops", key="never")
 
 # In the order FastAPI declares them (and /openapi.json lists them).
@@ -168,7 +170,11 @@ def find(path: str) -> Route | None:
     return next((route for route in _WITH_PARAMS if route.matches(path)), None)
 
 
-def open_paths(protect_metrics: bool) -> frozenset[str]:
+def open_paths() -> frozenset[str]:
     """The paths a request may take without an API key."""
-    opened: tuple[Key, ...] = ("never",) if protect_metrics else ("never", "if --protect-metrics")
-    return frozenset(route.path for route in ROUTES if route.key in opened)
+    return frozenset(route.path for route in ROUTES if route.key == "never")
+
+
+def admin_paths() -> frozenset[str]:
+    """The paths only an admin key may take (when keys are configured)."""
+    return frozenset(route.path for route in ROUTES if route.key == "admin")

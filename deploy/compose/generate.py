@@ -188,6 +188,8 @@ FOOTER = """\
     restart: unless-stopped
     volumes:
       - ./prometheus.yml:/etc/prometheus/prometheus.yml:ro
+      # keys/metrics-token: the admin key it sends to the gateway's /metrics.
+      - ./keys:/etc/prometheus/keys:ro
       - prometheus-data:/prometheus
     ports:
       - "${{PROMETHEUS_PORT:-9090}}:9090"

@@ -9,9 +9,15 @@ installed at all.
 The presented key is hashed before comparing, so every comparison is of two
 32-byte digests: neither a key's length nor which key matched shows in the
 timing. Keys are never logged and never echoed in a response. The matching
-key's entry (``shared.api_keys.KeyEntry``: its name, limits, models,
+key's entry (``shared.api_keys.KeyEntry``: its id, name, limits, models,
 priority) goes on in ``scope["llmgate.key"]`` for the code that enforces
-them.
+them. ``/metrics`` (every key's usage is in it) takes admin keys only: 403
+for any other key.
+
+What a request makes (files, batches, stored responses, usage) is owned by
+its key's ``id``, never its name (``owner_of``, ``viewer_of``): a name
+revoked and added again with a new secret is another key and owns nothing
+of the old one's. Names are what usage and metrics show (``key_name``).
 
 ``--api-keys-file`` is looked at again every ``RELOAD_SECONDS`` (one
 ``stat``); when it changed it is re-read, so a key added or revoked takes
@@ -49,19 +55,24 @@ _MISSING = errors.Unauthorized(
     "(Authorization: Bearer YOUR_KEY)."
 )
 _WRONG = errors.Unauthorized("Incorrect API key provided.")
+_NOT_ADMIN = errors.AdminOnly(
+    "You have insufficient permissions for this operation: it needs an admin key "
+    "(`admin: true` in the keys file)."
+)
 
 
 def load_api_keys(settings: GatewaySettings) -> list[KeyEntry]:
     """Every configured key: ``--api-keys`` and those of ``--api-keys-file``
-    (ValueError, never quoting a key, for a file that cannot be used)."""
-    entries = [
+    (ValueError, never quoting a key, for a file that cannot be used, or for a
+    key, name or id given twice: one would own, or show as, the other's)."""
+    flagged = [
         api_keys.plain_entry(key.strip()) for key in settings.api_keys.split(",") if key.strip()
     ]
+    api_keys.check_unique(flagged, "--api-keys: ", "given twice")
+    entries = list(flagged)
     if settings.api_keys_file:
-        entries += api_keys.load(settings.api_keys_file)
-    digests = [entry.key_sha256 for entry in entries]
-    if len(set(digests)) != len(digests):
-        raise ValueError("a key of --api-keys is in --api-keys-file too")
+        entries += api_keys.load(settings.api_keys_file)  # unique within the file
+    api_keys.check_unique(entries, "", "in both --api-keys and --api-keys-file")
     return entries
 
 
@@ -71,24 +82,27 @@ def api_key_of(scope: Any) -> KeyEntry | None:
     return entry
 
 
-def key_name(scope: Any) -> str:
-    """The request's key's name for usage and metrics (``ANONYMOUS`` without keys)."""
+def key_name(scope: Any) -> api_keys.KeyName:
+    """The request's key's name for usage and metrics (``ANONYMOUS`` without
+    keys), carrying the key's id, which owns the usage."""
     entry = api_key_of(scope)
-    return entry.name if entry is not None else api_keys.ANONYMOUS
+    if entry is None:
+        return api_keys.KeyName(api_keys.ANONYMOUS, api_keys.ANONYMOUS)
+    return api_keys.KeyName(entry.name, entry.id)
 
 
 def owner_of(scope: Any) -> str | None:
     """Who owns what the request makes (files, batches, responses): its key's
-    name, or None without keys (then every caller sees it)."""
+    id, or None without keys (then every caller sees it)."""
     entry = api_key_of(scope)
-    return entry.name if entry is not None else None
+    return entry.id if entry is not None else None
 
 
 def viewer_of(scope: Any) -> str | None:
     """Whose files, batches, responses and usage the request sees: its key's
-    name; None (everyone's) for an admin key, or without keys."""
+    id; None (everyone's) for an admin key, or without keys."""
     entry = api_key_of(scope)
-    return entry.name if entry is not None and not entry.admin else None
+    return entry.id if entry is not None and not entry.admin else None
 
 
 class KeyRing:
@@ -138,10 +152,11 @@ class KeyRing:
         self._set(entries)
         log.info("API keys: re-read %s: %d keys", self.path, len(entries))
 
-    def named(self, name: str) -> KeyEntry | None:
-        """The key called ``name``, as the file says now (None if it is gone)."""
+    def with_id(self, key_id: str) -> KeyEntry | None:
+        """The key whose id is ``key_id``, as the file says now (None if it is gone:
+        revoked, or its name given to a new secret)."""
         self.refresh()
-        return next((entry for _, entry in self._entries if entry.name == name), None)
+        return next((entry for _, entry in self._entries if entry.id == key_id), None)
 
     def match(self, token: bytes) -> KeyEntry | None:
         presented = _digest(token)
@@ -157,16 +172,16 @@ def _digest(key: bytes) -> bytes:
 
 
 class ApiKeyMiddleware:
-    def __init__(
-        self, app: ASGIApp, keys: KeyRing | list[str], protect_metrics: bool = False
-    ) -> None:
+    def __init__(self, app: ASGIApp, keys: KeyRing | list[str]) -> None:
         ring = keys if isinstance(keys, KeyRing) else KeyRing.of(keys)
         if not len(ring):
             raise ValueError("ApiKeyMiddleware needs at least one key")
         self.app = app
         self.ring = ring
-        # Load balancers and Kubernetes probes carry no key (the route table's `key`).
-        self._open = routes.open_paths(protect_metrics)
+        # Load balancers and Kubernetes probes carry no key; /metrics shows
+        # every key's usage, so operators only (the route table's `key`).
+        self._open = routes.open_paths()
+        self._admin = routes.admin_paths()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self._open:
@@ -175,11 +190,13 @@ class ApiKeyMiddleware:
         self.ring.refresh()
         token = _bearer_token(scope["headers"])
         entry = None if token is None else self.ring.match(token)
-        if entry is not None:
+        if entry is not None and (entry.admin or scope["path"] not in self._admin):
             scope[SCOPE_KEY] = entry
             await self.app(scope, receive, send)
             return
-        error = _MISSING if token is None else _WRONG
+        error: errors.GatewayError = _NOT_ADMIN
+        if entry is None:
+            error = _MISSING if token is None else _WRONG
         # In the route's dialect: TGI's client reads TGI's error body.
         await with_request_id(render(error, scope["path"]), scope)(scope, receive, send)
 

@@ -9,11 +9,13 @@ the state store (``gateway.state``: SQLite shared by one host's gateway
 processes, or the ``--state-db`` every replica shares) for
 ``--responses-days``. ``GET`` answers from there; ``previous_response_id``
 becomes that conversation prepended to the new input, which any worker can
-run. Requests for responses the gateway never saw go on to vLLM unchanged.
-A store that does not answer: ``previous_response_id`` is a 503; an answer
-that cannot be stored still goes out (the failure is logged). With API keys
-a stored response is its key's: to another key (but an ``admin`` one) its
-id is unknown, for ``GET`` and ``previous_response_id`` alike.
+run. An id the store does not hold is a 404 here (``not_found``), never a
+question to a worker. A store that does not answer: ``previous_response_id``
+is a 503; an answer that cannot be stored still goes out (the failure is
+logged). With API keys a stored response is its key's (its key's id): to
+another key (but an ``admin`` one) its id is unknown, for ``GET``, cancel
+and ``previous_response_id`` alike, and a request that names it as its own
+id (vLLM's ``request_id``) is refused before it runs (``check_id``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import msgspec
 from gateway import errors
 from gateway.api.state import store_of
 from gateway.state import State
+from gateway.state.responses import IdTaken
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +45,7 @@ class Record(msgspec.Struct):
     items: list[Any]
 
 
-__all__ = ["Record", "Recorder", "continued", "load", "store_of"]
+__all__ = ["Record", "Recorder", "check_id", "continued", "load", "not_found", "store_of"]
 
 
 async def load(store: State, response_id: str, viewer: str | None) -> Record | None:
@@ -56,6 +59,31 @@ async def load(store: State, response_id: str, viewer: str | None) -> Record | N
     except msgspec.DecodeError:
         log.warning("dropping an unreadable stored response %s", response_id)
         return None
+
+
+def not_found(response_id: str) -> errors.NotFound:
+    """What vLLM's server (and OpenAI) answer for a response id they do not hold."""
+    return errors.NotFound(f"Response with id '{response_id}' not found.", "response_id")
+
+
+async def check_id(store: State, body: dict[str, Any], owner: str | None) -> None:
+    """400 for a request that names as its response's id (vLLM's ``request_id``)
+    one that another key's stored response holds: said before the request
+    runs, not after (the store refuses it too, the guard against a race).
+    400 too for ``background``: vLLM keeps such a response in the one worker
+    process that runs it, owned by no key, where no replica could poll it."""
+    if body.get("background"):
+        raise errors.BadRequest(
+            "Background responses are not supported by this gateway yet; "
+            "send the request without `background` (stream it to follow it as it goes).",
+            "background",
+        )
+    chosen = body.get("request_id")
+    if isinstance(chosen, str) and await store.call(store.responses.taken, chosen, owner):
+        raise errors.BadRequest(
+            f"`request_id` {chosen!r} is already the id of a stored response; choose another.",
+            "request_id",
+        )
 
 
 def input_items(body: dict[str, Any]) -> list[Any]:
@@ -108,6 +136,9 @@ class Recorder:
             )
         except errors.StateUnavailable as exc:
             log.warning("response %s not stored: %s", response["id"], exc.message)
+        except IdTaken:
+            # Another key stored this id after check_id looked: theirs stays.
+            log.warning("response %s not stored: another key's response has its id", response["id"])
 
     async def whole(self, content: bytes) -> bytes:
         content = self.patch(content)

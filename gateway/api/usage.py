@@ -1,13 +1,17 @@
 """``GET /v1/usage``: what each API key used, per model and UTC day (``gateway.state.usage``).
 
-Filters, all optional, in the query string: ``key``, ``model``, and
-``start_date`` / ``end_date`` (``YYYY-MM-DD``, UTC days, both included). A
-key sees its own usage only (``key`` may name no other); an ``admin`` key,
-or any caller when no keys are configured, sees every key's. A filter that
-is malformed, repeated or unknown is a 400. The answer::
+Filters, all optional, in the query string: ``key`` (a key's name),
+``model``, and ``start_date`` / ``end_date`` (``YYYY-MM-DD``, UTC days, both
+included). A key sees its own usage only, its id's (``key`` may name no
+other than its own name), so a name revoked and added again with a new
+secret starts from nothing; an ``admin`` key, or any caller when no keys
+are configured, sees every key's. A filter that is malformed, repeated or
+unknown is a 400. Rows show the key's name (``key``) and its id
+(``key_id``: two keys that had one name are two rows). The answer::
 
     {"object": "list",
-     "data": [{"object": "usage", "key": "team-a", "model": "m", "date": "2025-06-01",
+     "data": [{"object": "usage", "key": "team-a", "key_id": "key_9f86d081884c7d65",
+               "model": "m", "date": "2025-06-01",
                "requests": 3, "prompt_tokens": 30, "completion_tokens": 12,
                "cached_tokens": 0, "total_tokens": 42}, ...],
      "total": {"requests": 3, "prompt_tokens": 30, "completion_tokens": 12,
@@ -28,7 +32,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from gateway import errors
-from gateway.api.auth import viewer_of
+from gateway.api.auth import key_name, viewer_of
 from gateway.api.state import store_of
 from gateway.jsonresp import json_response
 from gateway.routes import serves
@@ -56,17 +60,17 @@ async def usage(request: Request) -> Response:
     )
     if start is not None and end is not None and start > end:
         raise errors.BadRequest("`start_date` is after `end_date`.", "start_date")
-    key = params.get("key")
+    shown = params.get("key")
     viewer = viewer_of(request.scope)
     if viewer is not None:
-        if key is not None and key != viewer:
+        if shown is not None and shown != key_name(request.scope):
             raise errors.BadRequest(
                 "`key`: an API key sees its own usage only (an admin key sees every key's).",
                 "key",
             )
-        key = viewer
+        shown = None  # its id's rows, whatever name they show
     store = store_of(request)
-    rows = await store.call(store.usage.rows, key, params.get("model"), start, end)
+    rows = await store.call(store.usage.rows, viewer, params.get("model"), start, end, shown)
     return json_response(
         {
             "object": "list",
@@ -94,6 +98,7 @@ def _row(row: dict[str, Any]) -> dict[str, Any]:
     return {
         "object": "usage",
         "key": row["key"],
+        "key_id": row["key_id"],
         "model": row["model"],
         "date": row["day"],
         **_with_total(counts),

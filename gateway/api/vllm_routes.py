@@ -85,6 +85,7 @@ async def ping_post(request: Request) -> Response:
 async def create_response(request: Request) -> Response:
     raw = schemas.decode_body(await read_body(request, settings_of(request).max_body_bytes))
     store = responses.store_of(request)
+    await responses.check_id(store, raw, owner_of(request.scope))
     previous_id = raw.get("previous_response_id")
     previous = None
     if isinstance(previous_id, str) and previous_id:
@@ -108,13 +109,19 @@ async def create_response(request: Request) -> Response:
     return Response(patched, media_type=response.media_type, headers=_headers(response))
 
 
+# GET and cancel by id answer from the store alone, never from a worker: the
+# gateway stores every response it was asked to store, so an id it does not
+# hold (for this key) is unknown or another key's. What a worker's vLLM keeps
+# besides is only a `background` response, in that worker's process, owned by
+# no key: forwarding would let any key read or cancel it, and the pool would
+# send the request to any worker of the model, not the one that ran it.
 @serves(routes.RESPONSE)
 async def retrieve_response(request: Request, response_id: str) -> Response:
     store = responses.store_of(request)
     stored = await responses.load(store, response_id, viewer_of(request.scope))
-    if stored is not None:
-        return json_response(stored.response)
-    return await forward(request, routes.RESPONSE.url(response_id=response_id), None, "GET")
+    if stored is None:
+        raise responses.not_found(response_id)
+    return json_response(stored.response)
 
 
 def _headers(response: Response) -> dict[str, str]:
@@ -126,8 +133,12 @@ def _headers(response: Response) -> dict[str, str]:
 
 @serves(routes.RESPONSE_CANCEL)
 async def cancel_response(request: Request, response_id: str) -> Response:
-    path = routes.RESPONSE_CANCEL.url(response_id=response_id)
-    return await forward(request, path, None, "POST")
+    store = responses.store_of(request)
+    if await responses.load(store, response_id, viewer_of(request.scope)) is None:
+        raise responses.not_found(response_id)
+    # A stored response has ended (only completed and incomplete ones are
+    # stored): vLLM's server answers the same for one that is not running.
+    raise errors.BadRequest("Cannot cancel a synchronous response.", "response_id")
 
 
 # A POST to any other of vLLM's routes: its JSON body goes to vLLM's server as it came.

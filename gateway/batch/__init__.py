@@ -45,7 +45,7 @@ def start(
     ``app`` is the gateway's app below the API-key check, the runner's way in;
     ``capacity`` the healthy workers' slots, ``interactive_since`` the seconds
     since the last interactive request (the runner's cap); ``keys`` the
-    configured API keys, to run each job's lines as its owner's key.
+    configured API keys, to run each job's lines as its owner's key (by id).
     """
     runner = Runner(
         store,

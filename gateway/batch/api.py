@@ -8,9 +8,10 @@ are checked when uploaded and again when a batch is created from them
 a 404. The state store is touched from a thread, never on the event loop,
 and answers 503 while it cannot be reached.
 
-With API keys, files and jobs belong to the key that made them (a job's
-output and error files to the job's key): another key gets 404 for them and
-never sees them listed; an ``admin`` key sees all (``gateway.api.auth``).
+With API keys, files and jobs belong to the key that made them, by its id
+(a job's output and error files to the job's key): another key gets 404 for
+them, never sees them listed, and a list's ``after`` naming one is an
+unknown cursor (an empty page); an ``admin`` key sees all (``gateway.api.auth``).
 """
 
 from __future__ import annotations

@@ -10,9 +10,10 @@ its window) is ended by whichever replica takes the lease on ending it.
 A line is not sent to a worker by a second path: it is a request to the
 gateway's own ASGI app (below the API-key check), with a synthetic HTTP
 scope, its body, a request id of its own and ``scope["llmgate.priority"] =
-"batch"``, and the API key entry of the job's owner, looked up by name
+"batch"``, and the API key entry of the job's owner, looked up by id
 in the keys as they are now, so a line counts against its key's usage,
-limits and models (a key revoked since gets the line an error answer). So
+limits and models (a key revoked since gets the line an error answer, and
+so does one whose name was given to a new secret: that is another key). So
 it gets everything an interactive request gets (validation,
 model resolution, admission, the response cache, metrics, logs) and the
 answer a client would get. Admission puts it behind every interactive
@@ -79,7 +80,7 @@ class Job:
 
     batch_id: str
     expires_at: int
-    # The name of the API key that created it (None: no keys then).
+    # The id of the API key that created it (None: no keys then).
     owner: str | None = None
     running: int = 0
     # Set when the job is cancelled or past its window: its lines stop.
@@ -328,10 +329,10 @@ class Runner:
         request_id = f"{job.batch_id}-{line.index}"
         key = None
         if job.owner is not None and self.keys is not None and len(self.keys):
-            key = self.keys.named(job.owner)
+            key = self.keys.with_id(job.owner)
             if key is None:
                 revoked = errors.Unauthorized(
-                    f"The API key {job.owner!r} that created this batch was revoked."
+                    f"The API key (id {job.owner!r}) that created this batch was revoked."
                 )
                 return revoked.status, request_id, revoked.body(), False
         headers = [

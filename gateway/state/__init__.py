@@ -12,10 +12,12 @@ An outage later answers 503 on the routes that need state only
 runs again, never lost. ``State.reap()`` deletes expired files and responses.
 Usage is added up in memory and flushed every few seconds (``ledger``).
 
-Files, batches and stored responses have an ``owner``: the name of the API
-key that made them (NULL with no keys configured). Their methods that read
-take ``viewer``: a key name sees only its own rows; None sees every row (an
-admin key, or no keys configured).
+Files, batches and stored responses have an ``owner``: the id of the API
+key that made them (``KeyEntry.id``, never its name: a name revoked and
+added again is another key; NULL with no keys configured), as usage rows
+have their key's id. Their methods that read take ``viewer``: a key id sees
+only its own rows (a cursor or id of another's is an unknown one); None
+sees every row (an admin key, or no keys configured).
 """
 
 from __future__ import annotations

@@ -134,10 +134,12 @@ class Batches:
     def page(
         self, after: str | None, limit: int, viewer: str | None = None
     ) -> tuple[list[dict[str, Any]], bool]:
-        """A page of jobs, newest first, and whether more follow."""
+        """A page of jobs, newest first, and whether more follow (a cursor ``after``
+        that ``viewer`` may not see: an unknown one, an empty page)."""
         query = _seen_by(select(batches.c.object), viewer)
         if after:
-            mark = select(batches.c.seq).where(batches.c.id == after).scalar_subquery()
+            cursor = _seen_by(select(batches.c.seq).where(batches.c.id == after), viewer)
+            mark = cursor.scalar_subquery()
             query = query.where(batches.c.seq < mark)
         with self.db.read() as db:
             rows = list(db.scalars(query.order_by(batches.c.seq.desc()).limit(limit + 1)))

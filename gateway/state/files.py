@@ -88,12 +88,15 @@ class Files:
         ascending: bool,
         viewer: str | None = None,
     ) -> tuple[list[dict[str, Any]], bool]:
-        """A page of files and whether more follow, newest first unless ``ascending``."""
+        """A page of files and whether more follow, newest first unless ``ascending``.
+        A cursor ``after`` that ``viewer`` may not see is an unknown one (an empty
+        page), never a place in another key's files."""
         query = _seen_by(select(files), viewer)
         if purpose:
             query = query.where(files.c.purpose == purpose)
         if after:
-            mark = select(files.c.seq).where(files.c.id == after).scalar_subquery()
+            cursor = _seen_by(select(files.c.seq).where(files.c.id == after), viewer)
+            mark = cursor.scalar_subquery()
             query = query.where(files.c.seq > mark if ascending else files.c.seq < mark)
         order = files.c.seq.asc() if ascending else files.c.seq.desc()
         with self.db.read() as db:

@@ -42,14 +42,21 @@ class Ledger:
         self._serial = itertools.count()
         # Recorded since the last flush was cut.
         self._open: dict[Row, Counts] = {}
+        # Each key id's name, as its last request had it (what usage rows show).
+        self._names: dict[str, str] = {}
         # A flush cut but not known to be in the store, tried until it is.
         self._unsent: tuple[str, dict[Row, Counts]] | None = None
         self._lock = asyncio.Lock()
         self._down = False
         self._task: asyncio.Task[None] | None = None
 
-    def record(self, key: str, model: str, prompt: int, completion: int, cached: int = 0) -> None:
-        """One finished request of ``key`` on ``model`` today (UTC)."""
+    def record(
+        self, key: str, model: str, prompt: int, completion: int, cached: int = 0, name: str = ""
+    ) -> None:
+        """One finished request of the key whose id is ``key`` (named ``name``;
+        "": the id) on ``model`` today (UTC)."""
+        if name and self._names.get(key) != name:
+            self._names[key] = str(name)
         day = time.strftime("%Y-%m-%d", time.gmtime())
         counts = self._open.get((key, model, day))
         if counts is None:
@@ -76,7 +83,7 @@ class Ledger:
                     return False
                 flush_id, rows = self._unsent
                 try:
-                    await asyncio.to_thread(self.usage.add, flush_id, rows)
+                    await asyncio.to_thread(self.usage.add, flush_id, rows, dict(self._names))
                 except Unavailable as exc:
                     if not self._down:
                         log.warning("usage: the state store does not answer (%s); kept", exc)

@@ -47,7 +47,7 @@ class Claimed:
     line: Line
     cache: bool
     expires_at: int
-    # The name of the API key that created the job (None: no keys then).
+    # The id of the API key that created the job (None: no keys then).
     owner: str | None = None
 
 

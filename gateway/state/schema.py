@@ -12,8 +12,13 @@ the transaction that records it in ``schema_migrations`` (``gateway.state.db``
 holds a lock across that transaction so replicas starting at once apply each
 migration exactly once). Append new ones; never edit one that has shipped.
 The tables below are the schema as it is now; a migration that creates
-tables creates them as they were then (``_V1``), so it does the same on an
-empty database today as it did when it shipped.
+tables creates them as they were then (``_V1``, ``_V2``), so it does the same
+on an empty database today as it did when it shipped.
+
+Owners (``owner``, ``usage.key``) are API key ids (``KeyEntry.id``) since
+migration 3; before, they were key names, and migration 3 leaves those rows
+as they are: a key given ``id: <its old name>`` in the keys file owns them
+still; otherwise only an admin key sees them.
 """
 
 from __future__ import annotations
@@ -129,8 +134,9 @@ def _create_v1(connection: Connection) -> None:
 
 # -- migration 2: usage per key, and who owns each file, batch and response ------------
 
-# The key name (``shared.api_keys.KeyEntry.name``) that made the row; NULL when
-# no keys were configured (every caller sees it).
+# The id of the API key that made the row (``shared.api_keys.KeyEntry.id``;
+# before migration 3, its name); NULL when no keys were configured (every
+# caller sees it).
 OWNED = (files, batches, responses)
 for _table in OWNED:
     _table.append_column(Column("owner", String))
@@ -142,7 +148,8 @@ batches_by_owner = Index("batches_owner", batches.c.owner, batches.c.seq)
 usage = Table(
     "usage",
     metadata,
-    # The key's name, or ANONYMOUS ("-") for requests with no keys configured.
+    # The key's id (before migration 3, its name), or ANONYMOUS ("-") for
+    # requests with no keys configured: whose usage it is.
     Column("key", String, primary_key=True),
     # The model the request named (an alias stays the alias).
     Column("model", String, primary_key=True),
@@ -165,13 +172,29 @@ usage_flushes = Table(
 )
 
 
+# The usage table as migration 2 made it (before the column migration 3 adds).
+_V2 = MetaData()
+usage.to_metadata(_V2)
+
+
 def _v2_usage_and_owners(connection: Connection) -> None:
     for table in OWNED:
         connection.execute(text(f"ALTER TABLE {table.name} ADD COLUMN owner VARCHAR"))
     files_by_owner.create(connection)
     batches_by_owner.create(connection)
-    usage.create(connection)
+    _V2.tables["usage"].create(connection)
     usage_flushes.create(connection)
+
+
+# -- migration 3: owners are key ids; usage rows keep the key's name to show ----------
+
+# The key's name when its usage was last added (what /v1/usage and people
+# read); NULL in rows from before, whose ``key`` is the name itself.
+usage.append_column(Column("key_name", String))
+
+
+def _v3_usage_key_names(connection: Connection) -> None:
+    connection.execute(text("ALTER TABLE usage ADD COLUMN key_name VARCHAR"))
 
 
 Migration = tuple[int, str, Callable[[Connection], None]]
@@ -183,4 +206,5 @@ MIGRATIONS: list[Migration] = [
         "usage per key, model and day; an owner for files, batches, responses",
         _v2_usage_and_owners,
     ),
+    (3, "owners are API key ids; usage rows keep the key's name", _v3_usage_key_names),
 ]

@@ -8,6 +8,10 @@ excluded.n``, on SQLite and PostgreSQL alike), so processes and replicas
 flushing at once never lose each other's counts. Each flush has an id,
 recorded in ``usage_flushes`` in the same transaction: a flush tried again
 because its commit's answer was lost is added once, never twice.
+
+A row is a key's by its id (``KeyEntry.id``): a name revoked and added
+again with a new secret starts from nothing. It shows the key's name, as
+it was when usage was last added (``key``; the id is ``key_id``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from datetime import date
 from typing import Any
 
 import msgspec
-from sqlalchemy import delete, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from gateway.state.db import Database
@@ -46,7 +50,7 @@ class Counts:
         self.cached_tokens += other.cached_tokens
 
 
-# (key, model, UTC day as YYYY-MM-DD)
+# (key id, model, UTC day as YYYY-MM-DD)
 Row = tuple[str, str, str]
 
 
@@ -54,9 +58,12 @@ class Usage:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    def add(self, flush_id: str, rows: Mapping[Row, Counts]) -> bool:
+    def add(
+        self, flush_id: str, rows: Mapping[Row, Counts], names: Mapping[str, str] | None = None
+    ) -> bool:
         """Add ``rows`` to the table in one transaction, unless the flush
-        ``flush_id`` was added already; whether it was added now."""
+        ``flush_id`` was added already; whether it was added now. ``names``:
+        each key id's name to show (absent: the id)."""
         dialect = postgresql if self.db.postgres else sqlite
         mark = (
             dialect.insert(usage_flushes)
@@ -66,10 +73,14 @@ class Usage:
         upsert = dialect.insert(usage)
         upsert = upsert.on_conflict_do_update(
             index_elements=["key", "model", "day"],
-            set_={name: usage.c[name] + upsert.excluded[name] for name in COUNTS},
+            set_={
+                "key_name": upsert.excluded.key_name,
+                **{name: usage.c[name] + upsert.excluded[name] for name in COUNTS},
+            },
         )
+        names = names or {}
         values = [
-            {"key": key, "model": model, "day": day, **vars(counts)}
+            {"key": key, "key_name": names.get(key, key), "model": model, "day": day} | vars(counts)
             for (key, model, day), counts in sorted(rows.items())  # one lock order
         ]
         with self.db.write() as db:
@@ -81,19 +92,30 @@ class Usage:
             return True
 
     def rows(
-        self, key: str | None, model: str | None, start: date | None, end: date | None
+        self,
+        key: str | None,
+        model: str | None,
+        start: date | None,
+        end: date | None,
+        name: str | None = None,
     ) -> list[dict[str, Any]]:
-        """The rows matching the filters (None: any), by day, key and model."""
-        query = select(usage)
+        """The rows matching the filters (None: any): ``key`` a key id, ``name``
+        the name a row shows; by day, key and model. Each row's ``key`` is the
+        name it shows, ``key_id`` the id it is owned by."""
+        shown = func.coalesce(usage.c.key_name, usage.c.key)  # rows from before: key = name
+        columns = [c for c in usage.c if c.name not in ("key", "key_name")]
+        query = select(shown.label("key"), usage.c.key.label("key_id"), *columns)
         if key is not None:
             query = query.where(usage.c.key == key)
+        if name is not None:
+            query = query.where(shown == name)
         if model is not None:
             query = query.where(usage.c.model == model)
         if start is not None:
             query = query.where(usage.c.day >= start.isoformat())
         if end is not None:
             query = query.where(usage.c.day <= end.isoformat())
-        query = query.order_by(usage.c.day, usage.c.key, usage.c.model)
+        query = query.order_by(usage.c.day, shown, usage.c.key, usage.c.model)
         with self.db.read() as db:
             return [dict(row) for row in db.execute(query).mappings()]
 

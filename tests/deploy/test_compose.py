@@ -399,3 +399,19 @@ def test_the_gateway_keeps_its_state_in_the_postgres_service_once_healthy(
         assert data == "postgres-data:/var/lib/postgresql/data"
         assert "postgres-data" in model["volumes"] and "gateway-state" not in model["volumes"]
         assert not [v for v in gateway["volumes"] if v.endswith(":/var/lib/llmgate")]
+
+
+def test_prometheus_sends_a_key_to_the_gateway_from_the_keys_directory(
+    committed: dict[str, Any],
+) -> None:
+    """With API keys, the gateway's /metrics takes an admin key: Prometheus sends
+    the one in keys/metrics-token, mounted where the scrape config reads it."""
+    config = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    authorization = jobs["llmgate-gateway"]["authorization"]
+    assert authorization["type"] == "Bearer"
+    token = authorization["credentials_file"]
+    mounts = committed["services"]["prometheus"]["volumes"]
+    [folder] = [m.split(":")[1] for m in mounts if m.startswith("./keys:")]
+    assert token == f"{folder}/metrics-token"
+    assert "authorization" not in jobs["llmgate-workers"]  # vLLM's metrics port has no keys

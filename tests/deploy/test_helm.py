@@ -24,7 +24,8 @@ import msgspec
 import pytest
 import yaml
 
-from shared import config
+from shared import api_keys, config
+from shared.api_keys import sha256_hex
 from shared.settings import GatewaySettings, WorkerSettings
 from tests.deploy.helpers import DEPLOY, env_names
 
@@ -34,6 +35,7 @@ K8S_VERSIONS = ["1.25.0", "1.37.0"]
 
 SECRETS = {
     "apiKeys": ["sk-one", "sk-two"],
+    "metricsToken": "sk-prometheus",
     "curve": {
         "gatewayKey": "gw-public",
         "gatewayKeySecret": "gw-secret",
@@ -272,13 +274,56 @@ def test_curve_keys_go_to_the_side_that_needs_them() -> None:
     )
 
 
-def test_api_keys_reach_the_gateway_one_per_line() -> None:
+def test_api_keys_reach_the_gateway_and_the_metrics_token_is_an_admin_key() -> None:
     objects = render(VALUE_SETS["eight-gpus-everything-on"])
     (secret,) = [
         s for s in of_kind(objects, "Secret") if s["metadata"]["name"] == "demo-llmgate-secrets"
     ]
-    assert secret["stringData"]["api-keys"].split() == SECRETS["apiKeys"]
+    entries = api_keys.parse(secret["stringData"]["api-keys"], "api-keys")
+    # Named as the gateway names a plain key: the same usage rows and metrics as before.
+    assert [(e.name, e.key_sha256, e.admin) for e in entries] == [
+        *((api_keys.plain_entry(k).name, sha256_hex(k), False) for k in SECRETS["apiKeys"]),
+        ("prometheus", sha256_hex(str(SECRETS["metricsToken"])), True),
+    ]
+    assert secret["stringData"]["metrics-token"] == SECRETS["metricsToken"]
     assert "LLMGATE_API_KEYS_FILE" in environment(objects, one(objects, "Deployment", "gateway"))
+
+
+def test_prometheus_sends_the_metrics_token_to_the_gateway_only() -> None:
+    """With API keys, the gateway's /metrics takes an admin key (workers' take none)."""
+    objects = render(VALUE_SETS["eight-gpus-everything-on"])
+    [gateway] = of_kind(objects, "ServiceMonitor", "gateway")
+    [endpoint] = gateway["spec"]["endpoints"]
+    assert endpoint["authorization"] == {
+        "type": "Bearer",
+        "credentials": {"name": "demo-llmgate-secrets", "key": "metrics-token"},
+    }
+    [worker] = of_kind(objects, "ServiceMonitor", "worker")
+    assert all("authorization" not in e for e in worker["spec"]["endpoints"])
+    # No keys: nothing to send.
+    [bare] = of_kind(
+        render({"metrics": {"serviceMonitor": {"enabled": True}}}), "ServiceMonitor", "gateway"
+    )
+    assert "authorization" not in bare["spec"]["endpoints"][0]
+    # A Secret you manage holds the token under the same name.
+    managed = {
+        "secrets": {"existingSecret": "my-keys"},
+        "metrics": {"serviceMonitor": {"enabled": True}},
+    }
+    [mine] = of_kind(render(managed), "ServiceMonitor", "gateway")
+    assert mine["spec"]["endpoints"][0]["authorization"]["credentials"] == {
+        "name": "my-keys",
+        "key": "metrics-token",
+    }
+
+
+def test_api_keys_and_a_service_monitor_without_a_metrics_token_do_not_render() -> None:
+    values = {
+        "secrets": {"apiKeys": ["sk-one"]},
+        "metrics": {"serviceMonitor": {"enabled": True}},
+    }
+    with pytest.raises(Exception, match="metricsToken"):
+        render(values)
 
 
 def test_cache_values_become_the_gateways_cache_settings() -> None:
@@ -335,7 +380,7 @@ def test_service_monitors_select_the_services() -> None:
         assert len(matched) == 1, monitor["metadata"]["name"]
         port_names = {p["name"] for p in matched[0]["spec"]["ports"]}
         for endpoint in monitor["spec"]["endpoints"]:
-            assert set(endpoint) <= {"port", "path", "interval"}
+            assert set(endpoint) <= {"port", "path", "interval", "authorization"}
             assert endpoint["port"] in port_names and endpoint["path"] == "/metrics"
 
 

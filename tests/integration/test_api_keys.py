@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from tests.conftest import MODEL, Served, start_gateway, stop_serve
 KEY_1 = "sk-llmgate-test-key-one"
 KEY_2 = "sk-llmgate-test-key-two"
 FILE_KEY = "sk-llmgate-test-key-from-file"
+ADMIN_KEY = "sk-llmgate-test-admin-key"
 
 # (method, path, JSON body) of every protected route; small requests, one token.
 ROUTES: list[tuple[str, str, dict[str, Any] | None]] = [
@@ -103,9 +105,17 @@ def test_the_openai_sdk_works_with_its_api_key(keyed: Served) -> None:
         wrong.models.list()
 
 
-@pytest.mark.parametrize("path", ["/health", "/ready", "/metrics"])
-def test_probes_and_metrics_stay_open(keyed_client: httpx.Client, path: str) -> None:
+@pytest.mark.parametrize("path", ["/health", "/ready"])
+def test_probes_stay_open(keyed_client: httpx.Client, path: str) -> None:
     assert keyed_client.get(path).status_code == 200
+
+
+def test_metrics_take_an_admin_key_and_a_plain_one_is_none(keyed_client: httpx.Client) -> None:
+    """/metrics was open to anyone (unless --protect-metrics)."""
+    assert_401(keyed_client.get("/metrics"))
+    refused = keyed_client.get("/metrics", headers={"Authorization": f"Bearer {KEY_1}"})
+    assert refused.status_code == 403, refused.text
+    assert refused.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_keys_never_reach_the_log(keyed: Served, keyed_client: httpx.Client) -> None:
@@ -151,11 +161,16 @@ def test_a_fuzzed_authorization_header_never_gets_a_5xx(
 @pytest.fixture(scope="module")
 def metrics_keyed(served: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     folder = tmp_path_factory.mktemp("api-keys-file")
-    keys_file = folder / "keys"
-    keys_file.write_text(f"# issued to the test suite\n{FILE_KEY}\n")
+    keys_file = folder / "keys.yaml"
+    keys_file.write_text(
+        "# issued to the test suite\n"
+        f"keys:\n  - {{name: team, key: {FILE_KEY}}}\n"
+        f"  - {{name: prometheus, key: {ADMIN_KEY}, admin: true}}\n"
+    )
     gateway = start_gateway(
         folder / "gateway.log",
         served.worker_addresses(),
+        # Deprecated: still accepted, and changes nothing.
         *("--api-keys-file", str(keys_file), "--protect-metrics"),
     )
     try:
@@ -164,14 +179,40 @@ def metrics_keyed(served: Served, tmp_path_factory: pytest.TempPathFactory) -> I
         stop_serve(gateway)
 
 
-def test_a_keys_file_and_protected_metrics(metrics_keyed: Served) -> None:
+def test_a_keys_file_and_metrics_for_its_admin_key(metrics_keyed: Served) -> None:
     url = metrics_keyed.base_url
     assert_401(httpx.get(f"{url}/metrics", timeout=60))
     with_key = {"Authorization": f"Bearer {FILE_KEY}"}
-    assert httpx.get(f"{url}/metrics", headers=with_key, timeout=60).status_code == 200
+    assert httpx.get(f"{url}/metrics", headers=with_key, timeout=60).status_code == 403
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    assert httpx.get(f"{url}/metrics", headers=admin, timeout=60).status_code == 200
     assert httpx.get(f"{url}/v1/models", headers=with_key, timeout=60).status_code == 200
     assert httpx.get(f"{url}/health", timeout=60).status_code == 200
     assert httpx.get(f"{url}/ready", timeout=60).status_code == 200
+    assert "--protect-metrics (LLMGATE_PROTECT_METRICS) is deprecated" in (
+        metrics_keyed.log_path.read_text(errors="replace")
+    )
+
+
+def test_a_name_in_both_the_flag_and_the_file_stops_the_gateway(tmp_path: Path) -> None:
+    """Two keys with one name would show as one in usage and metrics."""
+    import hashlib
+    import subprocess
+    import sys
+
+    name = "key-" + hashlib.sha256(KEY_1.encode()).hexdigest()[:8]  # the flag key's name
+    keys_file = tmp_path / "keys.yaml"
+    keys_file.write_text(f"keys:\n  - {{name: {name}, key: sk-llmgate-another}}\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway.main", "--api-keys-file", str(keys_file)],
+        env={**os.environ, "LLMGATE_API_KEYS": KEY_1},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert f"the name {name!r} is in both --api-keys and --api-keys-file" in done.stderr
+    assert KEY_1 not in done.stderr
 
 
 def test_a_gateway_with_an_empty_keys_file_refuses_to_start(tmp_path: Path) -> None:

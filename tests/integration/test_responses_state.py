@@ -94,3 +94,27 @@ def test_store_false_is_not_kept(replicas: tuple[Served, Served]) -> None:
     made = client(first).responses.create(input="Say hi.", store=False, **ASK)
     response = httpx.get(f"{second.base_url}/v1/responses/{made.id}", timeout=60)
     assert response.status_code == 404
+
+
+def test_an_id_the_store_does_not_hold_is_the_gateways_404(
+    replicas: tuple[Served, Served],
+) -> None:
+    """By id, a response is answered from the store alone, never by a worker's vLLM;
+    a stored one has ended, so cancelling it is vLLM's own 400."""
+    first, second = replicas
+    made = client(first).responses.create(input="Say hi.", **ASK)
+    with httpx.Client(base_url=second.base_url, timeout=60) as http:
+        for method, path in (
+            ("GET", "/v1/responses/resp_unknown"),
+            ("POST", "/v1/responses/resp_unknown/cancel"),
+        ):
+            unknown = http.request(method, path)
+            assert unknown.status_code == 404, unknown.text
+            assert unknown.json()["error"] == {
+                "message": "Response with id 'resp_unknown' not found.",
+                "type": "invalid_request_error",
+                "param": "response_id",
+                "code": None,
+            }
+        cancel = http.post(f"/v1/responses/{made.id}/cancel")
+        assert cancel.status_code == 400 and cancel.json()["error"]["param"] == "response_id"

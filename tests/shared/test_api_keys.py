@@ -116,3 +116,54 @@ def test_add_refuses_to_edit_a_plain_list(tmp_path: Path) -> None:
 def test_no_key_may_take_the_name_of_requests_without_one() -> None:
     with pytest.raises(ValueError, match="reserved"):
         api_keys.parse(f"keys:\n  - name: '{api_keys.ANONYMOUS}'\n    key: sk-abc\n", "k.yaml")
+
+
+# -- ids: what owns a key's files, batches, responses and usage -------------------
+
+
+def test_a_key_has_a_stable_id_given_in_the_file_or_derived_from_its_hash() -> None:
+    text = (
+        "keys:\n"
+        "  - name: team-a\n    id: team-a-2024\n    key: sk-team-a\n"
+        "  - name: team-b\n    key: sk-team-b\n"
+    )
+    given, derived = api_keys.parse(text, "keys.yaml")
+    assert given.id == "team-a-2024"
+    assert derived.id == "key_" + sha256_hex("sk-team-b")[:16]
+    [plain] = api_keys.parse("sk-plain\n", "keys")
+    assert plain.id == "key_" + sha256_hex("sk-plain")[:16]
+
+
+def test_a_name_added_again_gets_a_new_id_written_into_the_file(tmp_path: Path) -> None:
+    """The hole: owners were names, so a name revoked and added again with a new
+    secret took over everything the old key made."""
+    path = tmp_path / "keys.yaml"
+    api_keys.add(path, "spare")
+    first = api_keys.add(path, "team-a")
+    [written] = [e for e in yaml.safe_load(path.read_text())["keys"] if e["name"] == "team-a"]
+    assert written["id"] == "key_" + sha256_hex(first)[:16]
+    old_id = api_keys.load(path)[1].id
+    api_keys.revoke(path, "team-a")
+    api_keys.add(path, "team-a")
+    new_id = api_keys.load(path)[1].id
+    assert old_id == written["id"] and new_id != old_id
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("keys:\n  - {name: a, id: x, key: k}\n  - {name: b, id: x, key: j}\n", "id 'x'"),
+        ("keys:\n  - {name: a, id: '-', key: k}\n", "reserved"),
+        ("keys:\n  - {name: a, id: 'two words', key: k}\n", "`id`"),
+    ],
+)
+def test_an_id_given_twice_or_unusable_is_refused(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        api_keys.parse(text, "keys.yaml")
+
+
+def test_list_shows_each_keys_id(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "keys.yaml"
+    key = api_keys.add(path, "team-a")
+    keys.main(["list", "--file", str(path)])
+    assert f"\tid key_{sha256_hex(key)[:16]}" in capsys.readouterr().out

@@ -131,16 +131,15 @@ def test_a_batch_runs_the_batchable_routes() -> None:
             assert route.generates is not None  # the runner's lines go through the builders
 
 
-def test_the_open_paths_are_the_probes_and_metrics_unless_protected() -> None:
-    assert routes.open_paths(protect_metrics=False) == {"/health", "/ready", "/metrics"}
-    assert routes.open_paths(protect_metrics=True) == {"/health", "/ready"}
+def test_the_probes_are_open_and_metrics_for_admin_keys_only() -> None:
+    assert routes.open_paths() == {"/health", "/ready"}
+    assert routes.admin_paths() == {"/metrics"}
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         pass
 
-    for protect in (False, True):
-        middleware = auth.ApiKeyMiddleware(app, keys=["k"], protect_metrics=protect)
-        assert middleware._open == routes.open_paths(protect)
+    middleware = auth.ApiKeyMiddleware(app, keys=["k"])
+    assert (middleware._open, middleware._admin) == (routes.open_paths(), routes.admin_paths())
     for route in ROUTES:
         if route.key != "always":
             assert route.kind == "ops" and not route.params and route.methods == ("GET",)

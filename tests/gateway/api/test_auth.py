@@ -12,7 +12,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.api.auth import ApiKeyMiddleware, load_api_keys
+from gateway.api.auth import (
+    ApiKeyMiddleware,
+    KeyRing,
+    key_name,
+    load_api_keys,
+    owner_of,
+    viewer_of,
+)
+from shared import api_keys
 from shared.api_keys import sha256_hex
 from shared.settings import GatewaySettings
 
@@ -25,13 +33,15 @@ async def _ok_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": b"ok"})
 
 
-def _client(protect_metrics: bool = False) -> httpx.AsyncClient:
-    app = ApiKeyMiddleware(_ok_app, KEYS, protect_metrics=protect_metrics)
+def _client(keys: KeyRing | list[str] = KEYS) -> httpx.AsyncClient:
+    app = ApiKeyMiddleware(_ok_app, keys)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
 
 
-async def _get(path: str, headers: dict[str, str], protect_metrics: bool = False) -> httpx.Response:
-    async with _client(protect_metrics) as client:
+async def _get(
+    path: str, headers: dict[str, str], keys: KeyRing | list[str] = KEYS
+) -> httpx.Response:
+    async with _client(keys) as client:
         return await client.get(path, headers=headers)
 
 
@@ -124,16 +134,31 @@ async def test_unknown_paths_need_a_key_too() -> None:
     assert (await _get("/no/such/route", {})).status_code == 401
 
 
-@pytest.mark.parametrize("path", ["/health", "/ready", "/metrics"])
-async def test_probes_and_metrics_are_open(path: str) -> None:
+@pytest.mark.parametrize("path", ["/health", "/ready"])
+async def test_probes_are_open(path: str) -> None:
     assert (await _get(path, {})).status_code == 200
 
 
-async def test_protect_metrics_closes_metrics_but_not_the_probes() -> None:
-    assert (await _get("/metrics", {}, protect_metrics=True)).status_code == 401
-    assert (await _get("/metrics", {"Authorization": "Bearer k1"}, True)).status_code == 200
-    assert (await _get("/health", {}, protect_metrics=True)).status_code == 200
-    assert (await _get("/ready", {}, protect_metrics=True)).status_code == 200
+async def test_metrics_are_for_admin_keys_only(tmp_path: Path) -> None:
+    """Per-key usage is in /metrics: no caller but an operator's key may read it
+    (it was open to anyone unless --protect-metrics, and to any key with it)."""
+    path = tmp_path / "keys.yaml"
+    team = api_keys.add(path, "team-a")
+    ops = api_keys.add(path, "ops", admin=True)
+    ring = KeyRing(GatewaySettings(api_keys_file=str(path)))
+    anonymous = await _get("/metrics", {}, ring)
+    assert anonymous.status_code == 401
+    assert anonymous.json()["error"]["code"] == "invalid_api_key"
+    refused = await _get("/metrics", {"Authorization": f"Bearer {team}"}, ring)
+    assert refused.status_code == 403
+    error = refused.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", None)
+    assert "admin" in error["message"]
+    assert (await _get("/metrics", {"Authorization": f"Bearer {ops}"}, ring)).status_code == 200
+    # Every other route takes any key, and the probes none.
+    assert (await _get("/v1/models", {"Authorization": f"Bearer {team}"}, ring)).status_code == 200
+    assert (await _get("/health", {}, ring)).status_code == 200
+    assert (await _get("/ready", {}, ring)).status_code == 200
 
 
 async def test_a_rejected_request_body_is_never_read() -> None:
@@ -259,3 +284,57 @@ async def test_the_matching_key_is_in_the_scope_for_what_comes_after() -> None:
         response = await client.get("/v1/models", headers={"Authorization": "Bearer k2"})
     assert response.status_code == 200
     assert [getattr(entry, "key_sha256", None) for entry in seen] == [sha256_hex("k2")]
+
+
+# -- who owns what a request makes: the key's id, never its name ---------------------
+
+
+def test_what_a_key_makes_is_owned_by_its_id_and_labelled_by_its_name() -> None:
+    team, ops = api_keys.parse(
+        "keys:\n  - {name: team-a, key: sk-a}\n  - {name: ops, key: sk-ops, admin: true}\n", "k"
+    )
+    scope = {"llmgate.key": team}
+    assert owner_of(scope) == viewer_of(scope) == team.id != "team-a"
+    label = key_name(scope)
+    assert label == "team-a" and label.id == team.id
+    admin = {"llmgate.key": ops}
+    assert owner_of(admin) == ops.id and viewer_of(admin) is None  # an admin sees all
+    assert owner_of({}) is None and viewer_of({}) is None
+    assert key_name({}) == key_name({}).id == api_keys.ANONYMOUS
+
+
+@pytest.mark.parametrize(
+    ("entry", "clash"),
+    [
+        (f"name: key-{sha256_hex('sk-flag')[:8]}", "name"),
+        (f"name: team-a\n    id: key_{sha256_hex('sk-flag')[:16]}", "id"),
+    ],
+)
+def test_a_name_or_id_of_a_flag_key_given_again_in_the_file_is_refused(
+    tmp_path: Path, entry: str, clash: str
+) -> None:
+    """Two keys with one name or id would own, or show as, each other's."""
+    path = tmp_path / "keys.yaml"
+    path.write_text(f"keys:\n  - {entry}\n    key: sk-other\n")
+    with pytest.raises(ValueError, match=f"the {clash} .* --api-keys and --api-keys-file"):
+        load_api_keys(GatewaySettings(api_keys="sk-flag", api_keys_file=str(path)))
+
+
+def test_the_ring_finds_a_key_by_its_id_as_the_file_is_now(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gateway.api import auth
+
+    path = tmp_path / "keys.yaml"
+    api_keys.add(path, "spare")
+    api_keys.add(path, "team-a")
+    ring = KeyRing(GatewaySettings(api_keys_file=str(path)))
+    old = api_keys.load(path)[1]
+    found = ring.with_id(old.id)
+    assert found is not None and found.name == "team-a"
+    api_keys.revoke(path, "team-a")
+    api_keys.add(path, "team-a")  # the same name, a new secret: another key
+    monkeypatch.setattr(auth, "RELOAD_SECONDS", 0.0)
+    assert ring.with_id(old.id) is None
+    new = ring.with_id(api_keys.load(path)[1].id)
+    assert new is not None and new.name == "team-a"

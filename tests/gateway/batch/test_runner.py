@@ -165,15 +165,20 @@ async def test_lines_not_run_by_the_end_of_the_window_expire(tmp_path: Path) -> 
 async def test_a_jobs_lines_run_as_its_owners_key_and_a_revoked_one_fails_them(
     tmp_path: Path,
 ) -> None:
+    """A job is owned by its key's id: a name revoked and added again with a new
+    secret is another key, and the job's lines do not run as it."""
     path = tmp_path / "keys.yaml"
     api_keys.add(path, "team-a")
+    api_keys.add(path, "team-b")
+    team_a, team_b = api_keys.load(path)
+    api_keys.revoke(path, "team-b")
     api_keys.add(path, "team-b")
     app = App()
     state = State(GatewaySettings(state_dir=str(tmp_path)))
     await state.connect()
     line = json.dumps({"custom_id": "c0", "method": "POST", "url": CHAT, "body": {"n": 0}})
-    owned = state.batches.create("f", CHAT, "24h", None, jsonl.parse(line.encode()), "team-a")
-    gone = state.batches.create("f", CHAT, "24h", None, jsonl.parse(line.encode()), "revoked")
+    owned = state.batches.create("f", CHAT, "24h", None, jsonl.parse(line.encode()), team_a.id)
+    gone = state.batches.create("f", CHAT, "24h", None, jsonl.parse(line.encode()), team_b.id)
     ring = KeyRing(GatewaySettings(api_keys_file=str(path)))
     batch_runner = Runner(state, app, lambda: 4, lambda: 1e9, 2, ring)
     batch_runner.start()
@@ -181,7 +186,7 @@ async def test_a_jobs_lines_run_as_its_owners_key_and_a_revoked_one_fails_them(
     failed = await finished(state.batches, gone["id"])
     await batch_runner.stop()
     [scope] = app.scopes
-    assert scope[SCOPE_KEY].name == "team-a"
+    assert (scope[SCOPE_KEY].name, scope[SCOPE_KEY].id) == ("team-a", team_a.id)
     [error] = content(state.batches, failed["error_file_id"])
     assert error["response"]["status_code"] == 401
     assert "revoked" in error["response"]["body"]["error"]["message"]

@@ -272,3 +272,13 @@ def test_a_job_that_ends_has_the_sum_of_its_answers_usage(store: Batches) -> Non
     assert (parsed.usage.input_tokens, parsed.usage.output_tokens) == (17, 5)
     assert parsed.usage.total_tokens == 22
     assert parsed.usage.input_tokens_details.cached_tokens == 0
+
+
+def test_a_cursor_naming_another_keys_job_is_an_unknown_one(store: Batches) -> None:
+    """It paged on from that job's place in everyone's list."""
+    store.create("file-x", CHAT, "24h", None, lines(1), owner="key_a")
+    theirs = store.create("file-y", CHAT, "24h", None, lines(1), owner="key_b")["id"]
+    store.create("file-z", CHAT, "24h", None, lines(1), owner="key_a")
+    unknown = store.page("batch_unknown", 10, "key_a")
+    assert store.page(theirs, 10, "key_a") == unknown == ([], False)
+    assert len(store.page(theirs, 10)[0]) == 1  # an admin's cursor: any job

@@ -89,3 +89,15 @@ def test_a_key_sees_only_its_own_files_and_no_viewer_sees_all(database: Database
     assert [f["id"] for f in page] == [mine, theirs]
     assert not files.delete(theirs, "team-a") and files.get(theirs) is not None
     assert files.delete(theirs) and files.get(theirs) is None
+
+
+def test_a_cursor_naming_another_keys_file_is_an_unknown_one(database: Database) -> None:
+    """It paged on from that file's place in everyone's list."""
+    files = Files(database)
+    files.add(b"a", "a.jsonl", "batch", owner="key_a")
+    theirs = files.add(b"b", "b.jsonl", "batch", owner="key_b")["id"]
+    files.add(b"c", "c.jsonl", "batch", owner="key_a")
+    for ascending in (True, False):
+        unknown = files.page(None, "file-unknown", 10, ascending, viewer="key_a")
+        assert files.page(None, theirs, 10, ascending, viewer="key_a") == unknown == ([], False)
+    assert len(files.page(None, theirs, 10, True)[0]) == 1  # an admin's cursor: any file

@@ -21,10 +21,12 @@ class Flaky(Usage):
     down = False
     lose_answer = False
 
-    def add(self, flush_id: str, rows: Mapping[Row, Counts]) -> bool:
+    def add(
+        self, flush_id: str, rows: Mapping[Row, Counts], names: Mapping[str, str] | None = None
+    ) -> bool:
         if self.down:
             raise Unavailable("connection refused")
-        added = super().add(flush_id, rows)
+        added = super().add(flush_id, rows, names)
         if self.lose_answer:
             raise Unavailable("server closed the connection unexpectedly")
         return added
@@ -117,3 +119,14 @@ async def test_stopping_flushes_what_is_left(usage: Flaky) -> None:
     ledger.record("a", "m", 3, 4)
     await ledger.stop()
     assert stored(usage) == {("a", "m"): (1, 3, 4, 0)}
+
+
+async def test_usage_goes_to_the_keys_id_and_shows_its_name(usage: Flaky) -> None:
+    """Two keys that had one name (revoked, then added again with a new secret)
+    are two owners: neither's usage is the other's."""
+    ledger = Ledger(usage, ready())
+    ledger.record("key_old", "m", 1, 1, name="team-a")
+    ledger.record("key_new", "m", 2, 2, name="team-a")
+    assert await ledger.flush()
+    [row] = usage.rows("key_new", None, None, None)
+    assert (row["key"], row["key_id"], row["prompt_tokens"]) == ("team-a", "key_new", 2)

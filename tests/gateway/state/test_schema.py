@@ -1,5 +1,6 @@
 """gateway/state/schema.py: migration 2 (usage, owners) on a store that migration 1 made
-and that holds files, batches and responses: they stay, owned by no key."""
+and that holds files, batches and responses: they stay, owned by no key; migration 3
+(owners are key ids) on a store with usage rows by key name: they stay that name's."""
 
 from __future__ import annotations
 
@@ -14,17 +15,21 @@ from gateway.state.schema import MIGRATIONS, batches, files, migrations_table, r
 from gateway.state.usage import Counts, Usage
 
 
-def migrate_to_v1(database: Database) -> None:
-    """The store as a gateway of migration 1 left it."""
+def migrate_to(database: Database, last: int) -> None:
+    """The store as a gateway of migration ``last`` left it."""
     with database.write() as db:
         migrations_table.create(db)
-        version, name, apply = MIGRATIONS[0]
-        apply(db)
-        db.execute(
-            migrations_table.insert().values(
-                version=version, name=name, applied_at=time.time(), applied_by="test"
+        for version, name, apply in MIGRATIONS[:last]:
+            apply(db)
+            db.execute(
+                migrations_table.insert().values(
+                    version=version, name=name, applied_at=time.time(), applied_by="test"
+                )
             )
-        )
+
+
+def migrate_to_v1(database: Database) -> None:
+    migrate_to(database, 1)
 
 
 def test_migration_2_keeps_what_a_v1_store_holds_owned_by_no_key(
@@ -52,12 +57,12 @@ def test_migration_2_keeps_what_a_v1_store_holds_owned_by_no_key(
             )
         )
 
-    assert database.migrate() == [f"2 ({MIGRATIONS[1][1]})"]
+    assert database.migrate() == [f"2 ({MIGRATIONS[1][1]})", f"3 ({MIGRATIONS[2][1]})"]
     assert database.migrate() == []
     with database.read() as db:
         assert db.scalar(select(batches.c.owner).where(batches.c.id == "batch_old")) is None
         versions = list(db.scalars(select(migrations_table.c.version)))
-    assert versions == [1, 2]
+    assert versions == [1, 2, 3]
     # Rows from before keys: everyone's (no viewer), no key's own.
     assert Files(database).get("file-old") is not None
     assert Files(database).get("file-old", "team-a") is None
@@ -67,3 +72,36 @@ def test_migration_2_keeps_what_a_v1_store_holds_owned_by_no_key(
     usage = Usage(database)
     assert usage.add("flush-1", {("team-a", "m", "2025-06-01"): Counts(1, 2, 3, 0)})
     assert [row["requests"] for row in usage.rows(None, None, None, None)] == [1]
+
+
+def test_migration_3_keeps_usage_by_key_name_shown_and_owned_by_that_name(
+    empty_database: Database,
+) -> None:
+    """Owners were key names: rows from then stay that name's, so a key given
+    ``id: <its old name>`` keeps them, and no other key (a re-added name's new
+    secret has a new id) gets them."""
+    database = empty_database
+    migrate_to(database, 2)
+    with database.write() as db:
+        columns = db.execute(text("SELECT * FROM usage LIMIT 0")).keys()
+        assert "key_name" not in columns  # migration 2 makes the table as it was
+        db.execute(
+            text(
+                "INSERT INTO usage (key, model, day, requests, prompt_tokens, "
+                "completion_tokens, cached_tokens) VALUES ('team-a', 'm', '2025-06-01', 1, 2, 3, 0)"
+            )
+        )
+    assert database.migrate() == [f"3 ({MIGRATIONS[2][1]})"]
+    usage = Usage(database)
+    [row] = usage.rows("team-a", None, None, None)
+    assert (row["key"], row["key_id"], row["requests"]) == ("team-a", "team-a", 1)
+    assert usage.rows("key_0123456789abcdef", None, None, None) == []
+    usage.add(
+        "flush-1",
+        {("key_0123456789abcdef", "m", "2025-06-01"): Counts(1, 0, 0, 0)},
+        {"key_0123456789abcdef": "team-a"},
+    )
+    assert [r["key_id"] for r in usage.rows(None, None, None, None, name="team-a")] == [
+        "key_0123456789abcdef",
+        "team-a",
+    ]

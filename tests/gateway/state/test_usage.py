@@ -116,3 +116,25 @@ def test_a_batch_usage_is_the_sum_of_its_answers() -> None:
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": 22,
     }
+
+
+def test_rows_are_owned_by_key_ids_and_show_key_names(database: Database) -> None:
+    """A name revoked and added again with a new secret is a new key id: it sees
+    none of the old key's usage, though both show under the one name."""
+    usage = Usage(database)
+    usage.add(
+        "f1",
+        {("key_old", "m", DAY): Counts(1, 1, 1, 0), ("key_new", "m", DAY): Counts(2, 2, 2, 0)},
+        {"key_old": "team-a", "key_new": "team-a"},
+    )
+    [row] = usage.rows("key_new", None, None, None)
+    assert (row["key"], row["key_id"], row["requests"]) == ("team-a", "key_new", 2)
+    # An admin asks by name: both keys that had it.
+    assert [r["key_id"] for r in usage.rows(None, None, None, None, name="team-a")] == [
+        "key_new",
+        "key_old",
+    ]
+    # A key renamed in the file (its id kept) shows under its latest name.
+    usage.add("f2", {("key_new", "m", DAY): Counts(1, 0, 0, 0)}, {"key_new": "team-b"})
+    [row] = usage.rows("key_new", None, None, None)
+    assert (row["key"], row["requests"]) == ("team-b", 3)

@@ -81,7 +81,7 @@ llmgate.io/pool: {{ . | quote }}
 {{- define "llmgate.hasApiKeys" -}}
 {{- if .Values.secrets.existingSecret }}
 {{- if .Values.secrets.existingSecretProvides.apiKeys }}true{{ end }}
-{{- else if .Values.secrets.apiKeys }}true{{ end }}
+{{- else if or .Values.secrets.apiKeys .Values.secrets.metricsToken }}true{{ end }}
 {{- end }}
 
 {{- define "llmgate.hasCurve" -}}
