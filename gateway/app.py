@@ -22,6 +22,7 @@ from gateway.api import tgi as _tgi  # noqa: F401
 from gateway.api import usage as _usage  # noqa: F401
 from gateway.api import vllm_routes as _vllm_routes  # noqa: F401
 from gateway.api.request_ids import request_id_of
+from gateway.api.services import Services
 from gateway.batch import api as _batch_api  # noqa: F401
 from gateway.cache import merge_config, open_cache
 from gateway.models import Models
@@ -50,23 +51,27 @@ def create_app(settings: GatewaySettings) -> ASGIApp:
     check (when keys are set), then the API's POST routes served directly
     (:mod:`gateway.api.direct`), then FastAPI."""
     tracing.setup(settings.otlp_endpoint)
-    api = create_api(settings)
-    ring = auth.KeyRing(settings)
-    app: ASGIApp = direct.DirectRoutes(api)
-    if len(ring):  # a key's rate-limit headers, and its grant's end (gateway.tenants)
-        app = tenants.LimitScope(app)
-    # The batch runner's way in (gateway.batch.runner): below the API-key check.
-    api.state.requests_app = app
-    # The batch runner runs a job's lines as its owner's key (gateway.batch.runner).
-    api.state.keyring = ring
-    if len(ring):
-        app = auth.ApiKeyMiddleware(app, keys=ring)
+    keys = auth.KeyRing(settings)
+    api = create_api(settings, keys)
+    app = below_keys(api, keys)
+    if len(keys):
+        app = auth.ApiKeyMiddleware(app, keys=keys)
     return request_ids.RequestIds(app)
 
 
-def create_api(settings: GatewaySettings) -> FastAPI:
-    """The FastAPI app: every route (and the OpenAPI document), the pool's lifetime,
-    and the error handlers."""
+def below_keys(api: FastAPI, keys: auth.KeyRing) -> ASGIApp:
+    """The app below the API-key check: the API's POST routes served directly
+    (:mod:`gateway.api.direct`), then FastAPI; with keys, a key's rate-limit
+    headers and its grant's end around them (``gateway.tenants``). The batch
+    runner sends its lines in here."""
+    app: ASGIApp = direct.DirectRoutes(api)
+    return tenants.LimitScope(app) if len(keys) else app
+
+
+def create_api(settings: GatewaySettings, keys: auth.KeyRing | None = None) -> FastAPI:
+    """The FastAPI app: every route (and the OpenAPI document), the services'
+    lifetime (:class:`gateway.api.services.Services`), and the error handlers."""
+    keyring = keys if keys is not None else auth.KeyRing(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -74,31 +79,28 @@ def create_api(settings: GatewaySettings) -> FastAPI:
         models = Models.from_file(settings.config)
         pool = Pool(settings, models=models)
         await pool.start()
-        app.state.pool = pool
-        # API keys' limits: per process, or shared in Redis (--limits).
-        app.state.limits = limits = tenants.Limiter(
-            settings.limits, timeout=settings.limits_timeout
-        )
+        limits = tenants.Limiter(settings.limits, timeout=settings.limits_timeout)
         await limits.start()
         # None when --cache is off; the pools file's `cache:` fills in the
         # settings that flags and environment left at their defaults.
         cached = merge_config(settings, models.config)
-        app.state.cache = cache = open_cache(
+        cache = open_cache(
             cached.cache, cached.cache_ttl, cached.cache_max_bytes, cached.cache_scope
         )
         # Files, batch jobs, stored responses: the store every replica shares
         # (gateway.state); it connects in the background and /ready waits for it.
-        app.state.store = store = State(settings)
+        store = State(settings)
         store.start()
-        # The runner sends its lines through the app above.
-        app.state.batches = batches = batch.start(
+        # The runner sends its lines below the key check, as their owner's key.
+        batches = batch.start(
             settings,
             store,
-            app.state.requests_app,
+            below_keys(app, keyring),
             pool.capacity,
             pool.interactive_since,
-            app.state.keyring,
+            keyring,
         )
+        app.state.services = Services(settings, pool, limits, cache, store, batches, keyring)
         # What start-up built (FastAPI, pydantic, routes) lives as long as the
         # process: frozen, the cyclic collector stops walking it again every
         # few hundred requests.
@@ -117,9 +119,6 @@ def create_api(settings: GatewaySettings) -> FastAPI:
     app = FastAPI(
         title="llmgate", summary="OpenAI-compatible gateway over vLLM workers", lifespan=lifespan
     )
-    # What the endpoints read (gateway.api.state); the pool and the cache
-    # join it when the app starts.
-    app.state.settings = settings
     routes.declare(app)  # every route of the table (shared.routes)
     openapi.install(app)
     app.add_exception_handler(errors.GatewayError, _gateway_error)

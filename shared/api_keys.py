@@ -72,18 +72,6 @@ class KeyEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         return self.models is None or model in self.models
 
 
-class KeyName(str):
-    """A key's name, as usage rows and metrics labels show it, carrying the key's
-    ``id`` (what owns the usage): a str, so code that labels by name takes it as is."""
-
-    id: str
-
-    def __new__(cls, name: str, key_id: str) -> KeyName:
-        label = super().__new__(cls, name)
-        label.id = key_id
-        return label
-
-
 def derived_id(key_sha256: str) -> str:
     """The id of a key whose entry names none: it follows the secret, not the name."""
     return "key_" + key_sha256[:16]

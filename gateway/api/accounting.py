@@ -12,30 +12,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Container
-from typing import Any
 
 from gateway import metrics
+from gateway.context import RequestContext
 from gateway.state.ledger import Ledger
 from gateway.tenants import limits
 from gateway.tracing import RequestSpan
 from shared import protocol
-from shared.api_keys import ANONYMOUS
 
 
 class Accounting:
     """Counts one request once, however it ends (:meth:`finish`), and ends its span."""
 
-    __slots__ = (
-        "done",
-        "key",
-        "known_models",
-        "ledger",
-        "model",
-        "route",
-        "scope",
-        "span",
-        "started",
-    )
+    __slots__ = ("context", "done", "known_models", "ledger", "model", "route", "span", "started")
 
     def __init__(
         self,
@@ -43,10 +32,9 @@ class Accounting:
         model: str,
         route: str,
         known_models: Container[str],
-        started: float | None = None,
-        key: str = ANONYMOUS,
+        context: RequestContext,
         ledger: Ledger | None = None,
-        scope: Any = None,
+        started: float | None = None,
     ) -> None:
         self.span = span
         # The requested model: a metrics label only if a worker ever served it
@@ -54,13 +42,11 @@ class Accounting:
         self.model = model
         self.route = route
         self.known_models = known_models
-        self.started = time.monotonic() if started is None else started
-        # The API key's name (a label: names come from the keys file only),
-        # and the usage ledger its usage goes to (``gateway.state.ledger``).
-        self.key = key
+        # Whose request it is (its key: a label by name, usage by id) and its
+        # hold on the key's limits; the usage ledger (``gateway.state.ledger``).
+        self.context = context
         self.ledger = ledger
-        # The request's ASGI scope, where its key's limits grant is (gateway.tenants).
-        self.scope = scope
+        self.started = time.monotonic() if started is None else started
         self.done = False
 
     def first_chunk(self, now: float) -> None:
@@ -77,17 +63,19 @@ class Accounting:
         if self.done:
             return
         self.done = True
-        if self.scope is not None and (cached or usage is not None):
-            limits.settle(self.scope, None if cached else usage)
+        context = self.context
+        if cached or usage is not None:
+            limits.settle(context, None if cached else usage)
         self.span.end(status)
         route = self.route
         model = self.model
         if model not in self.known_models:
             model = metrics.UNKNOWN_MODEL
+        key = context.key_name
         child = metrics.child
         child(metrics.REQUESTS, model, route, str(status)).inc()
         child(metrics.E2E_LATENCY, model, route).observe(time.monotonic() - self.started)
-        child(metrics.KEY_REQUESTS, self.key, str(status)).inc()
+        child(metrics.KEY_REQUESTS, key, str(status)).inc()
         if usage is None:
             return
         prompt, completion = usage.prompt_tokens, usage.completion_tokens
@@ -97,17 +85,16 @@ class Accounting:
         # A request that reported no tokens (vLLM's /tokenize, /version, /ping) is no usage.
         if not prompt and not completion:
             return
-        child(metrics.KEY_TOKENS, self.key, "prompt").inc(prompt)
-        child(metrics.KEY_TOKENS, self.key, "completion").inc(completion)
+        child(metrics.KEY_TOKENS, key, "prompt").inc(prompt)
+        child(metrics.KEY_TOKENS, key, "completion").inc(completion)
         if cached:
-            child(metrics.KEY_TOKENS, self.key, "cached").inc(prompt + completion)
+            child(metrics.KEY_TOKENS, key, "cached").inc(prompt + completion)
         if self.ledger is not None:
             self.ledger.record(
-                # Owned by the key's id (a KeyName carries it: auth.key_name), shown by its name.
-                getattr(self.key, "id", self.key),
+                context.key_id,
                 self.model,
                 prompt,
                 completion,
                 prompt + completion if cached else 0,
-                self.key,
+                key,
             )

@@ -10,14 +10,14 @@ The presented key is hashed before comparing, so every comparison is of two
 32-byte digests: neither a key's length nor which key matched shows in the
 timing. Keys are never logged and never echoed in a response. The matching
 key's entry (``shared.api_keys.KeyEntry``: its id, name, limits, models,
-priority) goes on in ``scope["llmgate.key"]`` for the code that enforces
-them. ``/metrics`` (every key's usage is in it) takes admin keys only: 403
-for any other key.
+priority) goes in the request's context (``gateway.context``) for the code
+that enforces them. ``/metrics`` (every key's usage is in it) takes admin
+keys only: 403 for any other key.
 
 What a request makes (files, batches, stored responses, usage) is owned by
-its key's ``id``, never its name (``owner_of``, ``viewer_of``): a name
-revoked and added again with a new secret is another key and owns nothing
-of the old one's. Names are what usage and metrics show (``key_name``).
+its key's ``id``, never its name (``RequestContext.owner``, ``.viewer``): a
+name revoked and added again with a new secret is another key and owns
+nothing of the old one's. Names are what usage and metrics show.
 
 ``--api-keys-file`` is looked at again every ``RELOAD_SECONDS`` (one
 ``stat``); when it changed it is re-read, so a key added or revoked takes
@@ -34,12 +34,12 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway import errors
 from gateway.api.request_ids import with_request_id
+from gateway.context import context_of
 from gateway.routes import render
 from shared import api_keys, routes
 from shared.api_keys import KeyEntry
@@ -47,7 +47,6 @@ from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 
-SCOPE_KEY = "llmgate.key"
 RELOAD_SECONDS = 1.0
 
 _MISSING = errors.Unauthorized(
@@ -74,35 +73,6 @@ def load_api_keys(settings: GatewaySettings) -> list[KeyEntry]:
         entries += api_keys.load(settings.api_keys_file)  # unique within the file
     api_keys.check_unique(entries, "", "in both --api-keys and --api-keys-file")
     return entries
-
-
-def api_key_of(scope: Any) -> KeyEntry | None:
-    """The request's API key entry (None without keys)."""
-    entry: KeyEntry | None = scope.get(SCOPE_KEY)
-    return entry
-
-
-def key_name(scope: Any) -> api_keys.KeyName:
-    """The request's key's name for usage and metrics (``ANONYMOUS`` without
-    keys), carrying the key's id, which owns the usage."""
-    entry = api_key_of(scope)
-    if entry is None:
-        return api_keys.KeyName(api_keys.ANONYMOUS, api_keys.ANONYMOUS)
-    return api_keys.KeyName(entry.name, entry.id)
-
-
-def owner_of(scope: Any) -> str | None:
-    """Who owns what the request makes (files, batches, responses): its key's
-    id, or None without keys (then every caller sees it)."""
-    entry = api_key_of(scope)
-    return entry.id if entry is not None else None
-
-
-def viewer_of(scope: Any) -> str | None:
-    """Whose files, batches, responses and usage the request sees: its key's
-    id; None (everyone's) for an admin key, or without keys."""
-    entry = api_key_of(scope)
-    return entry.id if entry is not None and not entry.admin else None
 
 
 class KeyRing:
@@ -191,7 +161,7 @@ class ApiKeyMiddleware:
         token = _bearer_token(scope["headers"])
         entry = None if token is None else self.ring.match(token)
         if entry is not None and (entry.admin or scope["path"] not in self._admin):
-            scope[SCOPE_KEY] = entry
+            context_of(scope).key = entry
             await self.app(scope, receive, send)
             return
         error: errors.GatewayError = _NOT_ADMIN

@@ -39,13 +39,13 @@ from fastapi.responses import Response
 from gateway import cascade, errors, schemas, sse, tracing
 from gateway.api.accounting import Accounting
 from gateway.api.attempts import Attempts
-from gateway.api.auth import api_key_of, key_name
 from gateway.api.cached import cache_step
 from gateway.api.headers import STREAM_HEADERS, answer_headers
 from gateway.api.http import DisconnectWatch, EventStream, deadline, header
 from gateway.api.request_ids import request_id_of
-from gateway.api.state import cache_of, ledger_of, pool_of, settings_of
+from gateway.api.services import services_of
 from gateway.api.streaming import relay
+from gateway.context import context_of
 from gateway.handle import Answerer, RequestHandle
 from gateway.jsonresp import JSON
 from gateway.models import Target
@@ -74,9 +74,11 @@ class Call:
     def __post_init__(self) -> None:
         if self.wire is None:
             self.wire = self.raw
-        self.pool = pool_of(self.request)
-        self.settings = settings_of(self.request)
+        self.pool = services_of(self.request).pool
+        self.settings = services_of(self.request).settings
         self.request_id = request_id_of(self.request.scope)
+        # Who sends it, and its hold on its key's limits (gateway.context).
+        self.context = context_of(self.request.scope)
         # Log lines about this request name it (shared.logs).
         self.log_extra = {"request_id": self.request_id}
         started = time.monotonic()
@@ -88,7 +90,7 @@ class Call:
         # serve(): an auto rule's metrics count only requests that got there.
         self.target: Target | None = None
         self.cascade_outcome = ""  # accepted or escalated (gateway.cascade)
-        self.cached = cache_step(cache_of(self.request), self.route, self.kind)
+        self.cached = cache_step(services_of(self.request).cache, self.route, self.kind)
         span = tracing.request_span(
             self.request.scope["headers"],
             self.request_id,
@@ -101,10 +103,9 @@ class Call:
             self.body.model,
             self.route,
             self.pool.known_models,
+            self.context,
+            services_of(self.request).ledger,
             started,
-            key_name(self.request.scope),
-            ledger_of(self.request),
-            self.request.scope,
         )
         # The request's attempts on workers, once it has any.
         self.attempts: Attempts | None = None
@@ -118,7 +119,7 @@ class Call:
         # waiting in the queue, for its worker, or for the first token.
         watch = DisconnectWatch(self.request)
         try:
-            entry = api_key_of(self.request.scope)
+            entry = self.context.key
             if entry is not None and not entry.allows(self.body.model):
                 raise errors.Forbidden(
                     f"The API key {entry.name!r} may not use the model `{self.body.model}`.",
@@ -129,7 +130,8 @@ class Call:
             )
             # The key's limits: 429 over them (gateway.tenants).
             choices = max(len(self.builder.choices), limits.choices_of(self.raw))
-            await limits.admit(self.request.scope, entry, self.pool, self.target, self.raw, choices)
+            limiter = services_of(self.request).limits
+            await limits.admit(limiter, self.context, self.pool, self.target, self.raw, choices)
             if self.cached is not None:
                 hit = await self.cached.look_up(
                     self.pool,
@@ -169,12 +171,6 @@ class Call:
         return self.attempts.computed() if self.attempts is not None else None
 
     def _attempts(self, key: str | None) -> Attempts:
-        # A batch job's line, or a request with a `priority: batch` key: only
-        # slots no interactive request waits for, and the engine's batch priority.
-        entry = api_key_of(self.request.scope)
-        batch = self.request.scope.get("llmgate.priority") == "batch" or (
-            entry is not None and entry.priority == "batch"
-        )
         return Attempts(
             pool=self.pool,
             request_id=self.request_id,
@@ -186,8 +182,8 @@ class Call:
             max_retries=self.settings.max_retries,
             # The worker's output as it comes, while the answer may be cached.
             recorded=self.cached.recorded if self.cached is not None else None,
-            low_priority=batch,
-            tenant=entry.id if entry is not None else None,
+            low_priority=self.context.low_priority,
+            tenant=self.context.owner,
         )
 
     async def _complete(self, attempts: Attempts, target: Target) -> Response:

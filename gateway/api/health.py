@@ -6,17 +6,16 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from gateway import metrics
+from gateway.api.services import services_of
 from gateway.jsonresp import json_response
-from gateway.pool import Pool
 from gateway.routes import serves
-from gateway.state import State
 from shared import routes
 
 
 @serves(routes.HEALTH)
 async def health(request: Request) -> Response:
     """The gateway process is up (it may still have no worker)."""
-    pool: Pool = request.app.state.pool
+    pool = services_of(request).pool
     return json_response(
         {
             "status": "ok",
@@ -41,8 +40,8 @@ async def ready(request: Request) -> Response:
     outage later leaves it ready: only the routes that need state answer
     503): 200, else 503. A local SQLite store opens within the first try, so
     a file uploaded as soon as /ready says 200 is taken."""
-    pool: Pool = request.app.state.pool
-    store: State = request.app.state.store
+    services = services_of(request)
+    pool, store = services.pool, services.store
     healthy = len(pool.healthy_workers())
     waiting = not store.ready.is_set() and (store.shared or not store.tried.is_set())
     body: dict[str, object] = {"ready": healthy > 0 and not waiting, "healthy_workers": healthy}

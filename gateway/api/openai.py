@@ -15,10 +15,10 @@ from fastapi.responses import Response
 
 from gateway import schemas, sse
 from gateway.api import vllm_routes
-from gateway.api.auth import api_key_of
 from gateway.api.call import Call
 from gateway.api.http import read_body
-from gateway.api.state import pool_of, settings_of
+from gateway.api.services import services_of
+from gateway.context import context_of
 from gateway.jsonresp import json_response
 from gateway.pool import Pool
 from gateway.routes import serves
@@ -27,14 +27,14 @@ from shared import routes
 
 @serves(routes.MODELS)
 async def list_models(request: Request) -> Response:
-    pool = pool_of(request)
+    pool = services_of(request).pool
     await pool.wait_for_worker()
     served = pool.models()
     # Aliases (``alias_for``) and the auto name (``routes_to``) follow the
     # models the workers serve (--config).
     entries: list[dict[str, Any]] = [{"id": model} for model in served]
     entries += pool.listing(served)
-    entry = api_key_of(request.scope)
+    entry = context_of(request.scope).key
     if entry is not None:  # a key sees the models it may use
         entries = [item for item in entries if entry.allows(item["id"])]
     data = [
@@ -46,7 +46,7 @@ async def list_models(request: Request) -> Response:
 
 @serves(routes.COMPLETIONS)
 async def create_completion(request: Request) -> Response:
-    settings = settings_of(request)
+    settings = services_of(request).settings
     raw = schemas.decode_body(await read_body(request, settings.max_body_bytes))
     body = schemas.validate(raw, schemas.CompletionRequest)
     schemas.check_limits(body, settings)
@@ -59,11 +59,13 @@ async def create_completion(request: Request) -> Response:
 
 @serves(routes.CHAT)
 async def create_chat_completion(request: Request) -> Response:
-    settings = settings_of(request)
+    settings = services_of(request).settings
     raw = schemas.decode_body(await read_body(request, settings.max_body_bytes))
     body = schemas.validate(raw, schemas.ChatCompletionRequest)
     schemas.check_limits(body, settings)
-    if schemas.vllm_field("chat", raw) is not None or _reasoning(pool_of(request), body.model):
+    if schemas.vllm_field("chat", raw) is not None or _reasoning(
+        services_of(request).pool, body.model
+    ):
         return await vllm_routes.forward(request, routes.CHAT.path, raw, body=body)
     builder = sse.Chat("", body.model, body.n, body.logprobs, body.top_logprobs or 0)
     call = Call(request, "chat", routes.CHAT.path, raw, body, builder)

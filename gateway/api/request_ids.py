@@ -23,6 +23,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import errors
+from gateway.context import context_of
 from gateway.routes import DIRECT_PATHS, render
 
 HEADER = b"x-request-id"
@@ -41,11 +42,10 @@ def new_request_id() -> str:
 
 def request_id_of(scope: Scope) -> str:
     """This request's id (one is made if none was assigned yet)."""
-    state = scope.setdefault("state", {})
-    rid: str | None = state.get("request_id")
-    if rid is None:
-        rid = state["request_id"] = new_request_id()
-    return rid
+    context = context_of(scope)
+    if not context.request_id:
+        context.request_id = new_request_id()
+    return context.request_id
 
 
 def assign(scope: Scope) -> tuple[str, errors.BadRequest | None]:
@@ -61,7 +61,7 @@ def assign(scope: Scope) -> tuple[str, errors.BadRequest | None]:
             break
     if rid is None:
         rid = new_request_id()
-    scope.setdefault("state", {})["request_id"] = rid
+    context_of(scope).request_id = rid
     return rid, bad
 
 

@@ -28,7 +28,6 @@ from typing import Any
 import msgspec
 
 from gateway import errors
-from gateway.api.state import store_of
 from gateway.state import State
 from gateway.state.responses import IdTaken
 
@@ -45,7 +44,7 @@ class Record(msgspec.Struct):
     items: list[Any]
 
 
-__all__ = ["Record", "Recorder", "check_id", "continued", "load", "not_found", "store_of"]
+__all__ = ["Record", "Recorder", "check_id", "continued", "load", "not_found"]
 
 
 async def load(store: State, response_id: str, viewer: str | None) -> Record | None:

@@ -13,7 +13,7 @@ from starlette.responses import Response
 from gateway import errors, schemas, tgi
 from gateway.api.call import Call
 from gateway.api.http import read_body
-from gateway.api.state import pool_of, settings_of
+from gateway.api.services import services_of
 from gateway.routes import serves
 from shared import routes
 
@@ -34,8 +34,8 @@ async def compat_generate(request: Request) -> Response:
 
 
 async def _serve(request: Request, route: str, stream: bool | None) -> Response:
-    pool = pool_of(request)
-    settings = settings_of(request)
+    pool = services_of(request).pool
+    settings = services_of(request).settings
     raw = schemas.decode_body(await read_body(request, settings.max_body_bytes))
     body = schemas.validate(raw, tgi.GenerateRequest)
     tgi.check_supported(body.parameters)

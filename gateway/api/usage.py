@@ -32,8 +32,8 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from gateway import errors
-from gateway.api.auth import key_name, viewer_of
-from gateway.api.state import store_of
+from gateway.api.services import services_of
+from gateway.context import context_of
 from gateway.jsonresp import json_response
 from gateway.routes import serves
 from gateway.state.usage import COUNTS
@@ -61,15 +61,16 @@ async def usage(request: Request) -> Response:
     if start is not None and end is not None and start > end:
         raise errors.BadRequest("`start_date` is after `end_date`.", "start_date")
     shown = params.get("key")
-    viewer = viewer_of(request.scope)
+    context = context_of(request.scope)
+    viewer = context.viewer
     if viewer is not None:
-        if shown is not None and shown != key_name(request.scope):
+        if shown is not None and shown != context.key_name:
             raise errors.BadRequest(
                 "`key`: an API key sees its own usage only (an admin key sees every key's).",
                 "key",
             )
         shown = None  # its id's rows, whatever name they show
-    store = store_of(request)
+    store = services_of(request).store
     rows = await store.call(store.usage.rows, viewer, params.get("model"), start, end, shown)
     return json_response(
         {

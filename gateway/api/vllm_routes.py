@@ -23,10 +23,10 @@ from fastapi.responses import Response, StreamingResponse
 
 from gateway import errors, schemas, sse
 from gateway.api import responses
-from gateway.api.auth import owner_of, viewer_of
 from gateway.api.call import Call
 from gateway.api.http import read_body
-from gateway.api.state import pool_of, settings_of
+from gateway.api.services import services_of
+from gateway.context import context_of
 from gateway.jsonresp import json_response
 from gateway.routes import served, serves
 from shared import routes
@@ -40,7 +40,7 @@ async def forward(
     body: schemas._Sampling | schemas.VllmRequest | None = None,
 ) -> Response:
     """Run ``method path`` with body ``raw`` on vLLM's server in a worker."""
-    pool = pool_of(request)
+    pool = services_of(request).pool
     if body is None:
         body = schemas.validate(raw or {}, schemas.VllmRequest)
     if not body.model:
@@ -59,7 +59,9 @@ def _poster(path: str) -> Callable[[Request], Awaitable[Response]]:
     """The endpoint that forwards a POST to ``path`` with its JSON body."""
 
     async def post(request: Request) -> Response:
-        raw = schemas.decode_body(await read_body(request, settings_of(request).max_body_bytes))
+        raw = schemas.decode_body(
+            await read_body(request, services_of(request).settings.max_body_bytes)
+        )
         return await forward(request, path, raw)
 
     post.__name__ = "post_" + path.strip("/").replace("/", "_")
@@ -83,17 +85,19 @@ async def ping_post(request: Request) -> Response:
 
 @serves(routes.RESPONSES)
 async def create_response(request: Request) -> Response:
-    raw = schemas.decode_body(await read_body(request, settings_of(request).max_body_bytes))
-    store = responses.store_of(request)
-    await responses.check_id(store, raw, owner_of(request.scope))
+    raw = schemas.decode_body(
+        await read_body(request, services_of(request).settings.max_body_bytes)
+    )
+    store = services_of(request).store
+    await responses.check_id(store, raw, context_of(request.scope).owner)
     previous_id = raw.get("previous_response_id")
     previous = None
     if isinstance(previous_id, str) and previous_id:
-        previous = await responses.load(store, previous_id, viewer_of(request.scope))
+        previous = await responses.load(store, previous_id, context_of(request.scope).viewer)
     if previous is None and not raw.get("store", True):
         return await forward(request, routes.RESPONSES.path, raw)  # nothing to keep or expand
     recorder = responses.Recorder(
-        store, raw, previous, str(previous_id) if previous else "", owner_of(request.scope)
+        store, raw, previous, str(previous_id) if previous else "", context_of(request.scope).owner
     )
     wire = responses.continued(raw, previous) if previous is not None else raw
     keep = raw.get("store", True)
@@ -117,8 +121,8 @@ async def create_response(request: Request) -> Response:
 # send the request to any worker of the model, not the one that ran it.
 @serves(routes.RESPONSE)
 async def retrieve_response(request: Request, response_id: str) -> Response:
-    store = responses.store_of(request)
-    stored = await responses.load(store, response_id, viewer_of(request.scope))
+    store = services_of(request).store
+    stored = await responses.load(store, response_id, context_of(request.scope).viewer)
     if stored is None:
         raise responses.not_found(response_id)
     return json_response(stored.response)
@@ -133,8 +137,8 @@ def _headers(response: Response) -> dict[str, str]:
 
 @serves(routes.RESPONSE_CANCEL)
 async def cancel_response(request: Request, response_id: str) -> Response:
-    store = responses.store_of(request)
-    if await responses.load(store, response_id, viewer_of(request.scope)) is None:
+    store = services_of(request).store
+    if await responses.load(store, response_id, context_of(request.scope).viewer) is None:
         raise responses.not_found(response_id)
     # A stored response has ended (only completed and incomplete ones are
     # stored): vLLM's server answers the same for one that is not running.

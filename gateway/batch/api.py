@@ -26,10 +26,10 @@ from starlette.datastructures import UploadFile
 from starlette.types import Message, Receive
 
 from gateway import errors, schemas
-from gateway.api.auth import owner_of, viewer_of
 from gateway.api.http import header, read_body
-from gateway.api.state import store_of
+from gateway.api.services import services_of
 from gateway.batch import Batches, jsonl
+from gateway.context import context_of
 from gateway.jsonresp import json_response
 from gateway.routes import serves
 from shared import routes
@@ -41,7 +41,7 @@ BATCHES_LIMIT = (20, 100)
 
 
 def _batches(request: Request) -> Batches:
-    batches: Batches = request.app.state.batches
+    batches: Batches = services_of(request).batches
     return batches
 
 
@@ -72,7 +72,7 @@ def _limit(request: Request, bounds: tuple[int, int]) -> int:
 @serves(routes.FILES, "POST")
 async def create_file(request: Request) -> Response:
     """Upload a batch input file (multipart: ``file`` and ``purpose``)."""
-    store = store_of(request)
+    store = services_of(request).store
     limit = _batches(request).max_file_bytes
     declared = header(request, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -91,7 +91,7 @@ async def create_file(request: Request) -> Response:
         filename = upload.filename or "input.jsonl"
     await asyncio.to_thread(jsonl.parse, data)  # refused now, not when a batch is created
     expires_at = _expires_at(form.get("expires_after[anchor]"), form.get("expires_after[seconds]"))
-    owner = owner_of(request.scope)
+    owner = context_of(request.scope).owner
     return json_response(
         await store.call(store.files.add, data, filename, str(purpose), "", expires_at, owner)
     )
@@ -142,7 +142,7 @@ def _limited(receive: Receive, limit: int) -> Receive:
 
 @serves(routes.FILES, "GET")
 async def list_files(request: Request) -> Response:
-    store = store_of(request)
+    store = services_of(request).store
     params = request.query_params
     order = params.get("order", "desc")
     if order not in ("asc", "desc"):
@@ -154,15 +154,15 @@ async def list_files(request: Request) -> Response:
         params.get("after"),
         limit,
         order == "asc",
-        viewer_of(request.scope),
+        context_of(request.scope).viewer,
     )
     return _page(data, more)
 
 
 @serves(routes.FILE, "GET")
 async def retrieve_file(request: Request, file_id: str) -> Response:
-    store = store_of(request)
-    file = await store.call(store.files.get, file_id, viewer_of(request.scope))
+    store = services_of(request).store
+    file = await store.call(store.files.get, file_id, context_of(request.scope).viewer)
     if file is None:
         raise _no_file(file_id)
     return json_response(file)
@@ -170,8 +170,8 @@ async def retrieve_file(request: Request, file_id: str) -> Response:
 
 @serves(routes.FILE_CONTENT)
 async def file_content(request: Request, file_id: str) -> Response:
-    store = store_of(request)
-    content = await store.call(store.files.content, file_id, viewer_of(request.scope))
+    store = services_of(request).store
+    content = await store.call(store.files.content, file_id, context_of(request.scope).viewer)
     if content is None:
         raise _no_file(file_id)
     return Response(content, media_type="application/octet-stream")
@@ -179,8 +179,8 @@ async def file_content(request: Request, file_id: str) -> Response:
 
 @serves(routes.FILE, "DELETE")
 async def delete_file(request: Request, file_id: str) -> Response:
-    store = store_of(request)
-    if not await store.call(store.files.delete, file_id, viewer_of(request.scope)):
+    store = services_of(request).store
+    if not await store.call(store.files.delete, file_id, context_of(request.scope).viewer):
         raise _no_file(file_id)
     return json_response({"id": file_id, "object": "file", "deleted": True})
 
@@ -195,14 +195,14 @@ def _no_file(file_id: str, param: str | None = None) -> errors.NotFound:
 @serves(routes.BATCHES, "POST")
 async def create_batch(request: Request) -> Response:
     batches = _batches(request)
-    store = store_of(request)
+    store = services_of(request).store
     raw = schemas.decode_body(await read_body(request, 1024 * 1024))
     file_id = raw.get("input_file_id")
     if not isinstance(file_id, str):
         raise errors.BadRequest("`input_file_id` must be a file id.", "input_file_id")
     jsonl.check_batch([], raw.get("endpoint"), raw.get("completion_window"))
     metadata = jsonl.check_metadata(raw.get("metadata"))
-    viewer = viewer_of(request.scope)
+    viewer = context_of(request.scope).viewer
 
     def create() -> dict[str, Any]:
         file = store.files.get(file_id, viewer)
@@ -216,7 +216,12 @@ async def create_batch(request: Request) -> Response:
         lines = jsonl.parse(content)
         endpoint = jsonl.check_batch(lines, raw["endpoint"], raw["completion_window"])
         return store.batches.create(
-            file_id, endpoint, raw["completion_window"], metadata, lines, owner_of(request.scope)
+            file_id,
+            endpoint,
+            raw["completion_window"],
+            metadata,
+            lines,
+            context_of(request.scope).owner,
         )
 
     batch = await store.call(create)
@@ -226,17 +231,19 @@ async def create_batch(request: Request) -> Response:
 
 @serves(routes.BATCHES, "GET")
 async def list_batches(request: Request) -> Response:
-    store = store_of(request)
+    store = services_of(request).store
     limit = _limit(request, BATCHES_LIMIT)
     after = request.query_params.get("after")
-    data, more = await store.call(store.batches.page, after, limit, viewer_of(request.scope))
+    data, more = await store.call(
+        store.batches.page, after, limit, context_of(request.scope).viewer
+    )
     return _page(data, more)
 
 
 @serves(routes.BATCH)
 async def retrieve_batch(request: Request, batch_id: str) -> Response:
-    store = store_of(request)
-    batch = await store.call(store.batches.get, batch_id, viewer_of(request.scope))
+    store = services_of(request).store
+    batch = await store.call(store.batches.get, batch_id, context_of(request.scope).viewer)
     if batch is None:
         raise _no_batch(batch_id)
     return json_response(batch)
@@ -246,13 +253,13 @@ async def retrieve_batch(request: Request, batch_id: str) -> Response:
 async def cancel_batch(request: Request, batch_id: str) -> Response:
     """Cancel a job: its lines in flight are aborted, those not run go to the error file."""
     batches = _batches(request)
-    store = store_of(request)
+    store = services_of(request).store
     batch = await store.call(
         store.batches.set_status,
         batch_id,
         "cancelling",
         ("validating", "in_progress"),
-        viewer_of(request.scope),
+        context_of(request.scope).viewer,
     )
     if batch is None:
         raise _no_batch(batch_id)

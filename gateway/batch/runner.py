@@ -9,8 +9,9 @@ its window) is ended by whichever replica takes the lease on ending it.
 
 A line is not sent to a worker by a second path: it is a request to the
 gateway's own ASGI app (below the API-key check), with a synthetic HTTP
-scope, its body, a request id of its own and ``scope["llmgate.priority"] =
-"batch"``, and the API key entry of the job's owner, looked up by id
+scope, its body, a request id of its own, and a request context
+(``gateway.context``) that marks it a batch line and holds the API key
+entry of the job's owner, looked up by id
 in the keys as they are now, so a line counts against its key's usage,
 limits and models (a key revoked since gets the line an error answer, and
 so does one whose name was given to a new secret: that is another key). So
@@ -43,9 +44,11 @@ import msgspec
 from starlette.types import ASGIApp, Message
 
 from gateway import errors, metrics
-from gateway.api.auth import SCOPE_KEY, KeyRing
+from gateway.api.auth import KeyRing
 from gateway.api.request_ids import HEADER as REQUEST_ID_HEADER
 from gateway.batch.jsonl import ENDPOINTS
+from gateway.context import SCOPE_KEY as CONTEXT
+from gateway.context import RequestContext
 from gateway.state import State, Unavailable
 from gateway.state.batches import STATUSES, Batches, Ending, output_line
 from gateway.state.db import owner_name
@@ -357,10 +360,8 @@ class Runner:
             "client": None,
             "server": None,
             "state": {},
-            "llmgate.priority": "batch",
+            CONTEXT: RequestContext(key=key, batch=True),
         }
-        if key is not None:
-            scope[SCOPE_KEY] = key
         sent_body = False
         status = 0
         retry_after = False

@@ -5,7 +5,7 @@ admitted here once its model is resolved, before the response cache and
 admission (``gateway.api.call``): :meth:`Limiter.admit` takes one request,
 its token reservation and, with ``max_concurrent``, a running slot, or
 raises ``errors.RateLimited`` (429, ``Retry-After``). Its :class:`Grant`
-goes in the ASGI scope; :class:`LimitScope` around the app puts OpenAI's
+goes in the request's context; :class:`LimitScope` around the app puts OpenAI's
 ``x-ratelimit-*`` headers on the response's first message, whatever it is
 (an answer, a stream, a cache hit, an error, the 429 itself), and ends the
 grant when the app returns, however the request ended: the slot is given
@@ -51,6 +51,7 @@ from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import errors
+from gateway.context import RequestContext, context_of
 from gateway.models import Target
 from gateway.tenants.redis_limits import LEASE_SECONDS, TIMEOUT, RedisLimits
 from gateway.tenants.windows import CONCURRENT, TOO_LARGE, Decision, MemoryLimits
@@ -60,8 +61,6 @@ from shared.redact import redact_url
 
 log = logging.getLogger(__name__)
 
-GRANT_KEY = "llmgate.limits"
-HEADERS_KEY = "llmgate.limit_headers"
 # The status the gateway logs for a request whose client left before its answer.
 CLIENT_LEFT = 499
 # The gateway's own refusals of an admitted request (no worker, its model not
@@ -254,7 +253,9 @@ class Limiter:
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
-    async def admit(self, scope: Any, entry: KeyEntry, cost: Callable[[], int]) -> None:
+    async def admit(
+        self, context: RequestContext, entry: KeyEntry, cost: Callable[[], int]
+    ) -> None:
         """Take one request of ``entry``'s and its ``cost()`` tokens (called only
         with a tokens limit), or raise ``errors.RateLimited``."""
         tokens = cost() if entry.tokens_per_minute else 0
@@ -274,14 +275,14 @@ class Limiter:
         shared = decision is not None
         if decision is None:
             decision = self.memory.admit(entry, tokens)
-        scope[HEADERS_KEY] = rate_headers(entry, decision)
+        context.rate_headers = rate_headers(entry, decision)
         if not decision.allowed:
             REFUSED.labels(entry.name, decision.refused_by).inc()
             raise refusal(entry, decision, tokens)
         grant = Grant(self, entry, tokens, lease, shared)
         if shared and entry.max_concurrent:
             self._held[lease] = grant
-        scope[GRANT_KEY] = grant
+        context.grant = grant
 
     def finish(self, grant: Grant, delta: int, refund_request: bool = False) -> None:
         if not grant.shared:
@@ -370,16 +371,9 @@ class Limiter:
             log.warning("limits: Redis answers again: limits are shared again")
 
 
-def limiter_of(scope: Any) -> Limiter | None:
-    app = scope.get("app")
-    state = getattr(app, "state", None)
-    limiter: Limiter | None = getattr(state, "limits", None)
-    return limiter
-
-
 async def admit(
-    scope: Any,
-    entry: KeyEntry | None,
+    limiter: Limiter | None,
+    context: RequestContext,
     pool: Any,
     target: Target,
     raw: dict[str, Any],
@@ -387,10 +381,8 @@ async def admit(
 ) -> None:
     """Count the request against its key's limits (nothing for a key with none):
     ``gateway.api.call``'s one step, once the model is resolved."""
-    if entry is None or not has_limits(entry):
-        return
-    limiter = limiter_of(scope)
-    if limiter is None:
+    entry = context.key
+    if entry is None or not has_limits(entry) or limiter is None:
         return
 
     def cost() -> int:
@@ -400,12 +392,12 @@ async def admit(
         )
         return reservation(raw, pool.names.prompt_tokens(raw), context, choices)
 
-    await limiter.admit(scope, entry, cost)
+    await limiter.admit(context, entry, cost)
 
 
-def settle(scope: Any, usage: protocol.Usage | None) -> None:
+def settle(context: RequestContext, usage: protocol.Usage | None) -> None:
     """What the request cost, once known (None: a cache hit, which cost nothing)."""
-    grant: Grant | None = scope.get(GRANT_KEY)
+    grant = context.grant
     if grant is not None:
         grant.tokens = 0 if usage is None else usage.prompt_tokens + usage.completion_tokens
 
@@ -422,12 +414,13 @@ class LimitScope:
             await self.app(scope, receive, send)
             return
         status: int | None = None
+        context = context_of(scope)
 
         async def send_with_headers(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                extra = scope.get(HEADERS_KEY)
+                extra = context.rate_headers
                 if extra:
                     added = [(k.encode(), v.encode()) for k, v in extra.items()]
                     message = {**message, "headers": [*message.get("headers", []), *added]}
@@ -436,6 +429,5 @@ class LimitScope:
         try:
             await self.app(scope, receive, send_with_headers)
         finally:
-            grant: Grant | None = scope.get(GRANT_KEY)
-            if grant is not None:
-                grant.end(status)
+            if context.grant is not None:
+                context.grant.end(status)

@@ -20,6 +20,8 @@ from tests.integration.test_pool import metric_reaches
 
 FLOODER = "sk-llmgate-test-flooder"
 QUIET = "sk-llmgate-test-quiet"
+# An operator's key: /metrics is theirs alone.
+OPS = "sk-llmgate-test-ops"
 # Six long requests (160 tokens: seconds each on this CPU, more on a busy
 # machine): one runs and five wait when the quiet request comes. Even if the
 # test process stalls for as long as three of them take, some of the flood
@@ -32,6 +34,7 @@ def keys_file(directory: Path) -> Path:
     path = directory / "keys.yaml"
     path.write_text(
         f"keys:\n  - name: flooder\n    key: {FLOODER}\n  - name: quiet\n    key: {QUIET}\n"
+        f"  - name: ops\n    key: {OPS}\n    admin: true\n"
     )
     return path
 
@@ -80,7 +83,10 @@ async def completion_order(gateway: Served, tokens: int = FLOOD_TOKENS) -> tuple
         assert response.status_code == 200, response.text
         finished.append(label)
 
-    async with httpx.AsyncClient(base_url=gateway.base_url, timeout=600) as client:
+    operator = {"Authorization": f"Bearer {OPS}"}  # reads /metrics; each post has its own
+    async with httpx.AsyncClient(
+        base_url=gateway.base_url, timeout=600, headers=operator
+    ) as client:
         flood = [
             asyncio.create_task(post(client, FLOODER, f"flood-{i}", tokens)) for i in range(FLOOD)
         ]

@@ -128,8 +128,9 @@ async def metric_reaches(
     ``count`` or more; fails, saying what it waited for, after ``within`` s."""
     deadline = time.monotonic() + within
     while True:
-        text = (await client.get("/metrics")).text
-        value = value_in(text, name, **labels)
+        page = await client.get("/metrics")
+        assert page.status_code == 200, page.text  # with keys: an admin key's
+        value = value_in(page.text, name, **labels)
         if (value or 0) >= count:
             return
         if time.monotonic() > deadline:

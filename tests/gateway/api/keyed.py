@@ -32,13 +32,16 @@ class Keyed:
         self.keys["ops"] = api_keys.add(self.path, "ops", admin=True)
         settings = GatewaySettings(api_keys_file=str(self.path), state_dir=str(tmp_path / "state"))
         self.store = State(settings)
-        self.api = create_api(settings)
-        self.api.state.store = self.store
-        # What creating or cancelling a batch wakes (no runner here).
-        self.api.state.batches = SimpleNamespace(
+        self.ring = auth.KeyRing(settings)
+        self.api = create_api(settings, self.ring)
+        # The services the routes under test read: no pool, no limits, no cache,
+        # and what creating or cancelling a batch wakes (no runner here).
+        batches = SimpleNamespace(
             runner=SimpleNamespace(wake=lambda: None), max_file_bytes=settings.max_file_bytes
         )
-        self.ring = auth.KeyRing(settings)
+        self.api.state.services = SimpleNamespace(
+            settings=settings, store=self.store, batches=batches, keys=self.ring
+        )
         self.app = auth.ApiKeyMiddleware(self.api, self.ring)
 
     def id_of(self, name: str) -> str:

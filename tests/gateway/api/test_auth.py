@@ -12,14 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.api.auth import (
-    ApiKeyMiddleware,
-    KeyRing,
-    key_name,
-    load_api_keys,
-    owner_of,
-    viewer_of,
-)
+from gateway.api.auth import ApiKeyMiddleware, KeyRing, load_api_keys
+from gateway.context import context_of
 from shared import api_keys
 from shared.api_keys import sha256_hex
 from shared.settings import GatewaySettings
@@ -274,7 +268,7 @@ async def test_the_matching_key_is_in_the_scope_for_what_comes_after() -> None:
     seen: list[object] = []
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
-        seen.append(scope.get("llmgate.key"))
+        seen.append(context_of(scope).key)
         await _ok_app(scope, receive, send)
 
     middleware = ApiKeyMiddleware(app, ["k1", "k2"])
@@ -287,20 +281,6 @@ async def test_the_matching_key_is_in_the_scope_for_what_comes_after() -> None:
 
 
 # -- who owns what a request makes: the key's id, never its name ---------------------
-
-
-def test_what_a_key_makes_is_owned_by_its_id_and_labelled_by_its_name() -> None:
-    team, ops = api_keys.parse(
-        "keys:\n  - {name: team-a, key: sk-a}\n  - {name: ops, key: sk-ops, admin: true}\n", "k"
-    )
-    scope = {"llmgate.key": team}
-    assert owner_of(scope) == viewer_of(scope) == team.id != "team-a"
-    label = key_name(scope)
-    assert label == "team-a" and label.id == team.id
-    admin = {"llmgate.key": ops}
-    assert owner_of(admin) == ops.id and viewer_of(admin) is None  # an admin sees all
-    assert owner_of({}) is None and viewer_of({}) is None
-    assert key_name({}) == key_name({}).id == api_keys.ANONYMOUS
 
 
 @pytest.mark.parametrize(

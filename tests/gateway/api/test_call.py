@@ -45,7 +45,10 @@ async def pool() -> AsyncIterator[Pool]:
 
 def call(pool: Pool, raw: dict[str, Any], cache: ResponseCache | None = None) -> Call:
     """The call for a completion request with body ``raw``, as the route makes it."""
-    app = SimpleNamespace(state=SimpleNamespace(pool=pool, settings=pool.settings, cache=cache))
+    services = SimpleNamespace(
+        pool=pool, settings=pool.settings, cache=cache, limits=None, ledger=None
+    )
+    app = SimpleNamespace(state=SimpleNamespace(services=services))
     scope = {"type": "http", "method": "POST", "path": ROUTE, "headers": [], "app": app}
 
     async def receive() -> dict[str, Any]:

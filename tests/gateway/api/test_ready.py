@@ -19,7 +19,8 @@ WITHIN = 60
 async def answer(store: State) -> tuple[int, dict[str, object]]:
     """/ready's status and body with one healthy worker and ``store``."""
     pool = SimpleNamespace(healthy_workers=lambda: ["worker-0"])
-    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(pool=pool, store=store)))
+    services = SimpleNamespace(pool=pool, store=store)
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(services=services)))
     response = await ready(request)  # type: ignore[arg-type]
     return response.status_code, json.loads(bytes(response.body))
 

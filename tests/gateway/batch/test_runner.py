@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 from sqlalchemy import update
 
-from gateway.api.auth import SCOPE_KEY, KeyRing
+from gateway.api.auth import KeyRing
 from gateway.batch import jsonl, runner
 from gateway.batch.runner import Runner
+from gateway.context import context_of
 from gateway.state import State
 from gateway.state.batches import Batches
 from gateway.state.schema import batches as batches_table
@@ -101,7 +102,7 @@ async def test_each_line_is_a_low_priority_request_and_a_429_is_tried_again(
     assert len(app.scopes) == 4  # the 429 was not a result
     scope = app.scopes[0]
     headers = dict(scope["headers"])
-    assert scope["path"] == CHAT and scope["llmgate.priority"] == "batch"
+    assert scope["path"] == CHAT and context_of(scope).batch
     assert headers[b"cache-control"] == b"no-store"  # no precompute asked
     assert headers[b"x-request-id"].startswith(batch_id.encode())
     [error] = content(store, batch["error_file_id"])
@@ -186,7 +187,8 @@ async def test_a_jobs_lines_run_as_its_owners_key_and_a_revoked_one_fails_them(
     failed = await finished(state.batches, gone["id"])
     await batch_runner.stop()
     [scope] = app.scopes
-    assert (scope[SCOPE_KEY].name, scope[SCOPE_KEY].id) == ("team-a", team_a.id)
+    key = context_of(scope).key
+    assert key is not None and (key.name, key.id) == ("team-a", team_a.id)
     [error] = content(state.batches, failed["error_file_id"])
     assert error["response"]["status_code"] == 401
     assert "revoked" in error["response"]["body"]["error"]["message"]

@@ -23,10 +23,9 @@ import redis.asyncio
 from prometheus_client import REGISTRY
 
 from gateway import errors
+from gateway.context import RequestContext, context_of
 from gateway.tenants import limits as limits_module
 from gateway.tenants.limits import (
-    GRANT_KEY,
-    HEADERS_KEY,
     Limiter,
     LimitScope,
     choices_of,
@@ -72,18 +71,18 @@ def key(**limits: int) -> KeyEntry:
     return KeyEntry(name=f"team-{digest[:8]}", key_sha256=digest, **limits)
 
 
-async def take(limiter: Limiter, entry: KeyEntry, cost: int = 0) -> dict[str, Any]:
-    """One admission; the request's scope (its grant and headers)."""
-    scope: dict[str, Any] = {}
-    await limiter.admit(scope, entry, lambda: cost)
-    return scope
+async def take(limiter: Limiter, entry: KeyEntry, cost: int = 0) -> RequestContext:
+    """One admission; the request's context (its grant and headers)."""
+    context = RequestContext(key=entry)
+    await limiter.admit(context, entry, lambda: cost)
+    return context
 
 
 async def refused(limiter: Limiter, entry: KeyEntry, cost: int = 0) -> errors.RateLimited:
-    scope: dict[str, Any] = {}
+    context = RequestContext(key=entry)
     with pytest.raises(errors.RateLimited) as caught:
-        await limiter.admit(scope, entry, lambda: cost)
-    assert GRANT_KEY not in scope
+        await limiter.admit(context, entry, lambda: cost)
+    assert context.grant is None
     return caught.value
 
 
@@ -100,8 +99,9 @@ async def admitted_within(limiter: Limiter, entry: KeyEntry, seconds: float, hel
             await asyncio.sleep(0.1)
 
 
-async def end(limiter: Limiter, scope: dict[str, Any], status: int | None = 200) -> None:
-    scope[GRANT_KEY].end(status)
+async def end(limiter: Limiter, context: RequestContext, status: int | None = 200) -> None:
+    assert context.grant is not None
+    context.grant.end(status)
     await limiter.drain()
 
 
@@ -111,7 +111,7 @@ async def end(limiter: Limiter, scope: dict[str, Any], status: int | None = 200)
 async def test_requests_per_minute(limiter: Limiter) -> None:
     entry = key(requests_per_minute=3)
     started = time.monotonic()
-    remaining = [(await take(limiter, entry))[HEADERS_KEY] for _ in range(3)]
+    remaining = [(await take(limiter, entry)).rate_headers for _ in range(3)]
     assert [h["x-ratelimit-remaining-requests"] for h in remaining] == ["2", "1", "0"]
     assert remaining[0]["x-ratelimit-limit-requests"] == "3"
     assert "x-ratelimit-limit-tokens" not in remaining[0]
@@ -128,7 +128,7 @@ async def test_tokens_per_minute_and_settling(limiter: Limiter) -> None:
     entry = key(tokens_per_minute=100)
     started = time.monotonic()
     first = await take(limiter, entry, 40)
-    assert first[HEADERS_KEY]["x-ratelimit-remaining-tokens"] == "60"
+    assert first.rate_headers["x-ratelimit-remaining-tokens"] == "60"
     await take(limiter, entry, 40)
     error = await refused(limiter, entry, 40 + earned(100, started))
     assert "on tokens per min (TPM): Limit 100" in error.message
@@ -137,7 +137,7 @@ async def test_tokens_per_minute_and_settling(limiter: Limiter) -> None:
     settle(first, protocol.Usage(4, 6))
     await end(limiter, first)
     third = await take(limiter, entry, 40)
-    remaining = int(third[HEADERS_KEY]["x-ratelimit-remaining-tokens"])
+    remaining = int(third.rate_headers["x-ratelimit-remaining-tokens"])
     assert 10 <= remaining <= 10 + earned(100, started)
 
 
@@ -163,8 +163,8 @@ async def test_a_refusal_takes_nothing(limiter: Limiter) -> None:
     """Over its tokens, a request takes neither a request nor a slot."""
     entry = key(requests_per_minute=2, tokens_per_minute=100, max_concurrent=1)
     await refused(limiter, entry, 101)
-    scope = await take(limiter, entry, 50)
-    assert scope[HEADERS_KEY]["x-ratelimit-remaining-requests"] == "1"
+    context = await take(limiter, entry, 50)
+    assert context.rate_headers["x-ratelimit-remaining-requests"] == "1"
 
 
 async def test_windows_free_as_time_passes(limiter: Limiter) -> None:
@@ -186,9 +186,9 @@ async def test_windows_free_as_time_passes(limiter: Limiter) -> None:
 
 
 async def test_a_key_without_limits_is_not_counted() -> None:
-    scope: dict[str, Any] = {"app": None}
-    await limits_module.admit(scope, key(), None, None, {}, 1)  # type: ignore[arg-type]
-    assert scope == {"app": None}
+    context = RequestContext(key=key())
+    await limits_module.admit(Limiter(), context, None, None, {}, 1)  # type: ignore[arg-type]
+    assert context.grant is None and not context.rate_headers
 
 
 # -- shared across processes ---------------------------------------------------------
@@ -252,8 +252,8 @@ async def test_a_slot_an_unanswered_admission_took_is_released_once_redis_answer
     await limiter.start()
     entry = key(max_concurrent=1)
     try:
-        scope = await take(limiter, entry)
-        assert not scope[GRANT_KEY].shared  # admitted by this process's own counts
+        context = await take(limiter, entry)
+        assert not context.grant.shared  # admitted by this process's own counts
         # The slot Redis holds for it (a 30 s lease) is given back within seconds.
         await admitted_within(other, entry, 20, "the orphaned slot")
     finally:
@@ -273,8 +273,8 @@ async def test_leases_of_running_requests_are_renewed(
     conc = key_of(entry.id, "conc")
     client = redis.asyncio.Redis.from_url(redis_server.url)
     try:
-        scope = await take(limiter, entry)
-        lease = scope[GRANT_KEY].lease
+        context = await take(limiter, entry)
+        lease = context.grant.lease
         lapses = await client.zscore(conc, lease)
         # Renewed: it lapses later than it did (fails after 30 s).
         deadline = time.monotonic() + 30
@@ -283,7 +283,7 @@ async def test_leases_of_running_requests_are_renewed(
             await asyncio.sleep(0.05)
         assert await store.running(entry.id) == 1
         await refused(limiter, entry)
-        await end(limiter, scope)
+        await end(limiter, context)
         assert await store.running(entry.id) == 0
     finally:
         await client.aclose()
@@ -294,40 +294,41 @@ async def test_leases_of_running_requests_are_renewed(
 
 
 def app_that(
-    behaviour: Callable[[dict[str, Any], Any], Awaitable[None]],
+    behaviour: Callable[[RequestContext, Any], Awaitable[None]],
     limiter: Limiter,
     entry: KeyEntry,
     cost: int,
 ) -> LimitScope:
     async def app(scope: Any, receive: Any, send: Any) -> None:
-        await limiter.admit(scope, entry, lambda: cost)
-        await behaviour(scope, send)
+        context = context_of(scope)
+        await limiter.admit(context, entry, lambda: cost)
+        await behaviour(context, send)
 
     return LimitScope(app)
 
 
-async def _ok(scope: Any, send: Any) -> None:
-    settle(scope, protocol.Usage(3, 2))
+async def _ok(context: RequestContext, send: Any) -> None:
+    settle(context, protocol.Usage(3, 2))
     await send({"type": "http.response.start", "status": 200, "headers": []})
     await send({"type": "http.response.body", "body": b"{}"})
 
 
-async def _error(scope: Any, send: Any) -> None:
+async def _error(context: RequestContext, send: Any) -> None:
     await send({"type": "http.response.start", "status": 503, "headers": []})
     await send({"type": "http.response.body", "body": b"{}"})
 
 
-async def _crash(scope: Any, send: Any) -> None:
+async def _crash(context: RequestContext, send: Any) -> None:
     raise RuntimeError("a bug")
 
 
-async def _stream_cut(scope: Any, send: Any) -> None:
+async def _stream_cut(context: RequestContext, send: Any) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": []})
     await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
     raise OSError("the client went away")
 
 
-async def _client_gone(scope: Any, send: Any) -> None:
+async def _client_gone(context: RequestContext, send: Any) -> None:
     raise asyncio.CancelledError
 
 
@@ -365,7 +366,7 @@ async def test_the_slot_comes_back_and_tokens_settle_however_the_request_ends(
     await limiter.drain()
     # The slot is free again, and the window holds what the request cost.
     after = await take(limiter, entry, 1)
-    remaining = int(after[HEADERS_KEY]["x-ratelimit-remaining-tokens"])
+    remaining = int(after.rate_headers["x-ratelimit-remaining-tokens"])
     assert 1000 - cost - 1 <= remaining <= 1000 - cost + earned(1000, started)
     if sent:
         headers = dict(sent[0]["headers"])
@@ -378,7 +379,7 @@ async def test_an_error_refunds_but_a_client_that_left_pays_its_reservation() ->
     entry = key(tokens_per_minute=100)
     await end(limiter, await take(limiter, entry, 60), status=503)  # never ran: given back
     left = await take(limiter, entry, 60)
-    assert left[HEADERS_KEY]["x-ratelimit-remaining-tokens"] == "40"
+    assert left.rate_headers["x-ratelimit-remaining-tokens"] == "40"
     await end(limiter, left, status=499)  # the engine may have run it: kept
     error = await refused(limiter, entry, 60)
     assert "on tokens per min (TPM)" in error.message
@@ -392,17 +393,17 @@ async def test_the_gateways_own_refusal_gives_the_request_back(limiter: Limiter)
     await end(limiter, await take(limiter, entry), status=429)
     await end(limiter, await take(limiter, entry), status=400)  # the client's own error: counted
     last = await take(limiter, entry)
-    assert last[HEADERS_KEY]["x-ratelimit-remaining-requests"] == "0"
+    assert last.rate_headers["x-ratelimit-remaining-requests"] == "0"
     await refused(limiter, entry)
 
 
 async def test_a_cache_hit_costs_no_tokens() -> None:
     limiter = Limiter()
     entry = key(tokens_per_minute=100)
-    scope = await take(limiter, entry, 60)
-    settle(scope, None)
-    await end(limiter, scope)
-    assert (await take(limiter, entry, 100))[HEADERS_KEY]["x-ratelimit-remaining-tokens"] == "0"
+    context = await take(limiter, entry, 60)
+    settle(context, None)
+    await end(limiter, context)
+    assert (await take(limiter, entry, 100)).rate_headers["x-ratelimit-remaining-tokens"] == "0"
 
 
 # -- Redis down ---------------------------------------------------------------------------
@@ -426,8 +427,8 @@ async def test_redis_down_falls_back_to_per_process_limits_and_comes_back(
         assert len(down) == 1  # once, not once a request
         server.start()
         try:
-            scope = await take(limiter, entry)  # Redis's counts start afresh
-            assert scope[GRANT_KEY].shared
+            context = await take(limiter, entry)  # Redis's counts start afresh
+            assert context.grant.shared
             back = [r for r in caplog.records if "answers again" in r.message]
             assert len(back) == 1
         finally:

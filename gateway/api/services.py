@@ -1,0 +1,46 @@
+"""The app's services, made once when it starts: what a request's code reaches for.
+
+:class:`Services` is built in the app's lifespan (``gateway.app``) and read
+through :func:`services_of`: the pool, the keys' limits, the response cache,
+the state store and its usage ledger, the batch runner's front, the keys.
+Nothing a request needs lives in a module global or as a loose attribute of
+the app.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from gateway.api.auth import KeyRing
+from gateway.batch import Batches
+from gateway.cache import ResponseCache
+from gateway.pool import Pool
+from gateway.state import Ledger, State
+from gateway.tenants import Limiter
+from shared.settings import GatewaySettings
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    settings: GatewaySettings
+    pool: Pool
+    # API keys' limits: per process, or shared in Redis (--limits).
+    limits: Limiter
+    # None with --cache off.
+    cache: ResponseCache | None
+    # Files, batch jobs, stored responses, usage: what every replica shares.
+    store: State
+    batches: Batches
+    keys: KeyRing
+
+    @property
+    def ledger(self) -> Ledger:
+        """Where requests' usage is counted (``gateway.state.ledger``)."""
+        return self.store.ledger
+
+
+def services_of(request: Request) -> Services:
+    services: Services = request.app.state.services
+    return services
