@@ -10,7 +10,10 @@ is the proxy's own cost (vllm-router's method):
   virtualenv ``.venv-router``) -> ``loadtest.zero_cost_http``;
 * ``llmgate-ipc`` (only when named in ``--targets``): as ``llmgate``, the
   gateway and the worker linked by a Unix socket (``ipc://``) instead of
-  loopback TCP.
+  loopback TCP;
+* ``llmgate-baseline`` (with ``--baseline DIR``): as ``llmgate``, from
+  another checkout (``git worktree add DIR REV``), so a change is measured
+  beside the previous main in one run, interleaved like every target.
 
 Scenarios, each a wrk run of ``--duration`` seconds after ``--warmup``
 seconds not counted, repeated ``--repeats`` times with the targets
@@ -172,6 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--profile", action="store_true", help="py-spy the gateway and the fake worker afterwards"
     )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="a checkout of another commit (git worktree add DIR REV): adds the target "
+        "llmgate-baseline, its gateway and worker, measured beside this one's in the same run",
+    )
     parser.add_argument("--results-dir", type=Path, default=None)
     return parser
 
@@ -179,6 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     names = [t for t in args.targets.split(",") if t]
+    if args.baseline is not None and "llmgate-baseline" not in names:
+        names.append("llmgate-baseline")
+    if "llmgate-baseline" in names and args.baseline is None:
+        raise SystemExit("llmgate-baseline needs --baseline DIR (a checkout of the other commit)")
     wanted = [s for s in args.scenarios.split(",") if s]
     unknown = sorted(set(names) - set(TARGETS)) + sorted(set(wanted) - set(SCENARIO_NAMES))
     if unknown or args.repeats < 1:
@@ -204,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     runs: list[Run] = []
     profiles: dict[str, Any] = {}
     with stop_on_signals(), contextlib.ExitStack() as stack:
-        targets = start_targets(stack, names, plan, out_dir, router_bin)
+        targets = start_targets(stack, names, plan, out_dir, router_bin, args.baseline)
         runs = measure(targets, chosen, args, plan, out_dir)
         if args.profile and "llmgate" in targets:
             profiles = profile_gateway(targets["llmgate"], chosen, args, plan, out_dir)

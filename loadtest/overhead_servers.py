@@ -3,7 +3,9 @@
 ``direct`` is the zero-cost HTTP backend alone; ``vllm-router`` puts
 vllm-router in front of it; ``llmgate`` is the gateway over one fake worker
 (``loadtest.fake_engine``) on loopback TCP, ``llmgate-ipc`` the same over a
-Unix socket. Every server stops when the caller's exit stack closes.
+Unix socket, ``llmgate-baseline`` the same as ``llmgate`` from another
+checkout (``--baseline``: the previous main, measured in the same run).
+Every server stops when the caller's exit stack closes.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from loadtest.report import ROOT
 from loadtest.wrk import Target
 from shared.ports import free_port
 
-TARGETS = ("direct", "llmgate", "llmgate-ipc", "vllm-router")
+TARGETS = ("direct", "llmgate", "llmgate-ipc", "llmgate-baseline", "vllm-router")
 # llmgate-ipc: the same gateway and worker over a Unix socket (``ipc://``)
 # instead of loopback TCP; measured on request, not by default.
 DEFAULT_TARGETS = ("direct", "llmgate", "vllm-router")
@@ -35,8 +37,10 @@ def start_targets(
     plan: CorePlan,
     out_dir: Path,
     router_bin: Path | None,
+    baseline: Path | None = None,
 ) -> dict[str, Target]:
-    """Start what ``names`` need, pinned per ``plan``; stopped when ``stack`` closes."""
+    """Start what ``names`` need, pinned per ``plan``; stopped when ``stack`` closes.
+    ``baseline``: the checkout ``llmgate-baseline`` runs from."""
     py = sys.executable
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     targets: dict[str, Target] = {}
@@ -67,7 +71,21 @@ def start_targets(
     for name in ("llmgate", "llmgate-ipc"):
         if name in names:
             targets[name] = start_llmgate(stack, name, plan, out_dir, env)
+    if "llmgate-baseline" in names and baseline is not None:
+        # Its own code on the path and as the working directory: its gateway
+        # and its worker, with this virtualenv's libraries.
+        old = {**env, "PYTHONPATH": str(baseline)}
+        targets["llmgate-baseline"] = start_llmgate(
+            stack, "llmgate-baseline", plan, out_dir, old, baseline
+        )
     return targets
+
+
+def fake_engine(root: Path) -> str:
+    """The fake engine's module in the checkout at ``root`` (it lived in
+    ``worker/`` before 2026-11-28)."""
+    moved = not (root / "loadtest" / "fake_engine.py").exists()
+    return "worker.fake_engine" if moved else "loadtest.fake_engine"
 
 
 def start_llmgate(
@@ -76,8 +94,10 @@ def start_llmgate(
     plan: CorePlan,
     out_dir: Path,
     env: dict[str, str],
+    root: Path = ROOT,
 ) -> Target:
-    """The gateway over one fake worker, linked by loopback TCP or a Unix socket."""
+    """The gateway over one fake worker, linked by loopback TCP or a Unix socket,
+    both run from the checkout at ``root``."""
     py = sys.executable
     if name.endswith("-ipc"):
         sockets = tempfile.mkdtemp(prefix="llmgate-overhead-")
@@ -85,17 +105,17 @@ def start_llmgate(
         worker_address = f"ipc://{sockets}/worker.sock"
     else:
         worker_address = f"tcp://127.0.0.1:{free_port()}"
-    suffix = name.removeprefix("llmgate")  # "" or "-ipc": names its logs
+    suffix = name.removeprefix("llmgate")  # "", "-ipc" or "-baseline": names its logs
     log = out_dir / f"fake-worker{suffix}.log"
-    argv = pinned(plan.backend, [py, "-m", "loadtest.fake_engine", "--bind", worker_address])
-    worker = stack.enter_context(launched(f"fake-worker{suffix}", argv, log, env, ROOT))
+    argv = pinned(plan.backend, [py, "-m", fake_engine(root), "--bind", worker_address])
+    worker = stack.enter_context(launched(f"fake-worker{suffix}", argv, log, env, root))
     port = free_port()
     log = out_dir / f"gateway{suffix}.log"
     argv = pinned(
         plan.proxy,
         [py, "-m", "gateway.main", "--workers", worker_address, "--port", str(port)],
     )
-    gateway = stack.enter_context(launched(name, argv, log, env, ROOT))
+    gateway = stack.enter_context(launched(name, argv, log, env, root))
     url = f"http://127.0.0.1:{port}"
     await_ready(name, gateway, log, f"{url}/ready", STARTUP_TIMEOUT, healthy_workers(1))
     return Target(name, url, worker.pid, gateway.pid)

@@ -74,8 +74,9 @@ class Call:
     def __post_init__(self) -> None:
         if self.wire is None:
             self.wire = self.raw
-        self.pool = services_of(self.request).pool
-        self.settings = services_of(self.request).settings
+        self.services = services = services_of(self.request)
+        self.pool = services.pool
+        self.settings = services.settings
         self.request_id = request_id_of(self.request.scope)
         # Who sends it, and its hold on its key's limits (gateway.context).
         self.context = context_of(self.request.scope)
@@ -90,7 +91,7 @@ class Call:
         # serve(): an auto rule's metrics count only requests that got there.
         self.target: Target | None = None
         self.cascade_outcome = ""  # accepted or escalated (gateway.cascade)
-        self.cached = cache_step(services_of(self.request).cache, self.route, self.kind)
+        self.cached = cache_step(services.cache, self.route, self.kind)
         span = tracing.request_span(
             self.request.scope["headers"],
             self.request_id,
@@ -104,7 +105,7 @@ class Call:
             self.route,
             self.pool.known_models,
             self.context,
-            services_of(self.request).ledger,
+            services.ledger,
             started,
         )
         # The request's attempts on workers, once it has any.
@@ -129,9 +130,10 @@ class Call:
                 self.body.model, self.raw, self.request.scope["headers"]
             )
             # The key's limits: 429 over them (gateway.tenants).
-            choices = max(len(self.builder.choices), limits.choices_of(self.raw))
-            limiter = services_of(self.request).limits
-            await limits.admit(limiter, self.context, self.pool, self.target, self.raw, choices)
+            choices = len(self.builder.choices)
+            await limits.admit(
+                self.services.limits, self.context, self.pool, self.target, self.raw, choices
+            )
             if self.cached is not None:
                 hit = await self.cached.look_up(
                     self.pool,

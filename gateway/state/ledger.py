@@ -47,6 +47,9 @@ class Ledger:
         # A flush cut but not known to be in the store, tried until it is.
         self._unsent: tuple[str, dict[Row, Counts]] | None = None
         self._lock = asyncio.Lock()
+        # Today (UTC) and when it ends: formatted once a day, not per request.
+        self._day = ""
+        self._day_ends = 0.0
         self._down = False
         self._task: asyncio.Task[None] | None = None
 
@@ -57,11 +60,19 @@ class Ledger:
         "": the id) on ``model`` today (UTC)."""
         if name and self._names.get(key) != name:
             self._names[key] = str(name)
-        day = time.strftime("%Y-%m-%d", time.gmtime())
+        day = self.today()
         counts = self._open.get((key, model, day))
         if counts is None:
             counts = self._open[key, model, day] = Counts()
         counts.add(Counts(1, prompt, completion, cached))
+
+    def today(self) -> str:
+        """The UTC date usage is counted under now (``YYYY-MM-DD``)."""
+        now = time.time()
+        if now >= self._day_ends:
+            self._day = time.strftime("%Y-%m-%d", time.gmtime(now))
+            self._day_ends = (now // 86400 + 1) * 86400
+        return self._day
 
     def pending(self) -> Counts:
         """What this process recorded that is not (known to be) in the store yet."""

@@ -390,7 +390,9 @@ async def admit(
             (w.max_model_len for w in pool.healthy_workers() if target.model in w.models),
             default=0,
         )
-        return reservation(raw, pool.names.prompt_tokens(raw), context, choices)
+        # The builder's choices, or what a forwarded body asks for (n, best_of, ...).
+        sequences = max(choices, choices_of(raw))
+        return reservation(raw, pool.names.prompt_tokens(raw), context, sequences)
 
     await limiter.admit(context, entry, cost)
 
