@@ -1,7 +1,8 @@
 """What each path costs its key: every route that makes the engine compute, tried whole,
 streamed without asking for usage, with a field only vLLM's server answers, cancelled
 half-way and with two choices, each through one of two gateways sharing Redis and
-PostgreSQL, each under a key of its own; and a small token limit held on every path.
+PostgreSQL, each under a key of its own; a response-cache hit through the other
+gateway and a batch's lines; and a small token limit held on every path.
 
 Generated from the route table: :func:`test_every_route_is_known_to_compute_or_not`
 fails for a new route until it is classified here. Greedy answers with ``ignore_eos``
@@ -12,12 +13,14 @@ what the gateway told the client.
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from shared import routes
@@ -136,6 +139,8 @@ def keyed(tenancy: Tenancy) -> Iterator[Tenancy]:
         tenancy.key(case.key)
     for path in COMPUTING:
         tenancy.key(limited(path), tokens_per_minute=LIMIT)
+    tenancy.key("counted-cache")
+    tenancy.key("counted-batch")
     tenancy.known(CASES[-1].key)  # the file is read whole: the others are known too
     yield tenancy
 
@@ -267,3 +272,54 @@ def test_a_small_token_limit_holds_on_every_path(keyed: Tenancy, path: str) -> N
     usage = recorded(keyed, limited(path), statuses.count(200))
     spent = usage["prompt_tokens"] + usage["completion_tokens"]
     assert spent <= LIMIT + spent / usage["requests"] + LIMIT * 0.5, (statuses, usage)
+
+
+def test_a_cache_hit_is_counted_as_its_client_was_told_with_no_engine_work(
+    keyed: Tenancy,
+) -> None:
+    body = {"model": MODEL, "prompt": f"{PROMPT} cached", "max_tokens": TOKENS, "temperature": 0}
+    first = keyed.client("counted-cache", 0).post(routes.COMPLETIONS.path, json=body)
+    # The other gateway: the cache is in the Redis both share.
+    again = keyed.client("counted-cache", 1).post(routes.COMPLETIONS.path, json=body)
+    assert first.status_code == again.status_code == 200, (first.text, again.text)
+    assert (first.headers["x-llmgate-cache"], again.headers["x-llmgate-cache"]) == ("miss", "hit")
+    told = first.json()["usage"]
+    assert again.json()["usage"] == told
+    usage = recorded(keyed, "counted-cache", 2)
+    assert usage["prompt_tokens"] == 2 * told["prompt_tokens"]
+    assert usage["completion_tokens"] == 2 * told["completion_tokens"]
+    # What no engine computed: the hit's tokens.
+    assert usage["cached_tokens"] == told["prompt_tokens"] + told["completion_tokens"]
+
+
+def test_a_batchs_lines_are_counted_against_its_key(keyed: Tenancy) -> None:
+    sdk = openai.OpenAI(
+        base_url=f"{keyed.gateways[1].base_url}/v1",
+        api_key=keyed.key("counted-batch"),
+        max_retries=0,
+    )
+    lines = [
+        {
+            "custom_id": f"req-{n}",
+            "method": "POST",
+            "url": routes.COMPLETIONS.path,
+            "body": {"model": MODEL, "prompt": f"{PROMPT} batch {n}", "max_tokens": TOKENS},
+        }
+        for n in range(2)
+    ]
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    file_id = sdk.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch").id
+    batch_id = sdk.batches.create(
+        input_file_id=file_id, endpoint=routes.COMPLETIONS.path, completion_window="24h"
+    ).id
+    wait_for(lambda: sdk.batches.retrieve(batch_id).status in ("completed", "failed"), 300)
+    batch = sdk.batches.retrieve(batch_id)
+    assert batch.status == "completed" and batch.output_file_id, batch
+    answers = [
+        json.loads(line)["response"]["body"]["usage"]
+        for line in sdk.files.content(batch.output_file_id).text.splitlines()
+    ]
+    usage = recorded(keyed, "counted-batch", len(lines))
+    assert usage["requests"] == len(lines)
+    assert usage["prompt_tokens"] == sum(a["prompt_tokens"] for a in answers)
+    assert usage["completion_tokens"] == sum(a["completion_tokens"] for a in answers)
