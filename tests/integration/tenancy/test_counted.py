@@ -91,6 +91,10 @@ CASES = [Case(path, "whole") for path in COMPUTING]
 CASES += [Case(path, "stream") for path in STREAMING]
 CASES += [Case(path, v) for path in OPENAI for v in ("forwarded", "forwarded-stream")]
 CASES += [Case(path, v) for path in OPENAI for v in ("cancelled", "forwarded-cancelled", "n2")]
+# Every path whole, and the streams vLLM's server answers without usage asked
+# for (they were once settled at nothing).
+LIMITED = [Case(path, "whole") for path in COMPUTING]
+LIMITED += [Case(path, "forwarded-stream") for path in OPENAI]
 
 
 def test_every_route_is_known_to_compute_or_not() -> None:
@@ -137,8 +141,8 @@ def keyed(tenancy: Tenancy) -> Iterator[Tenancy]:
     """Every case's key, known to both gateways."""
     for case in CASES:
         tenancy.key(case.key)
-    for path in COMPUTING:
-        tenancy.key(limited(path), tokens_per_minute=LIMIT)
+    for case in LIMITED:
+        tenancy.key(limited(case), tokens_per_minute=LIMIT)
     tenancy.key("counted-cache")
     tenancy.key("counted-batch")
     tenancy.known(CASES[-1].key)  # the file is read whole: the others are known too
@@ -251,17 +255,17 @@ def _told(value: dict[str, Any]) -> dict[str, int] | None:
     return {"prompt": prompt if isinstance(prompt, int) else -1, "completion": completion}
 
 
-def limited(path: str) -> str:
-    return f"limited{path.replace('/', '-')}"
+def limited(case: Case) -> str:
+    return f"limited{case.path.replace('/', '-')}-{case.variant}"
 
 
-@pytest.mark.parametrize("path", list(COMPUTING))
-def test_a_small_token_limit_holds_on_every_path(keyed: Tenancy, path: str) -> None:
+@pytest.mark.parametrize("case", LIMITED, ids=str)
+def test_a_small_token_limit_holds_on_every_path(keyed: Tenancy, case: Case) -> None:
     statuses: list[int] = []
     for n in range(8):  # through both gateways, which share the limits in Redis
         # A prompt of its own each time: a cache hit would rightly cost nothing.
-        body = json.loads(json.dumps(body_of(Case(path, "whole"))).replace(PROMPT, f"{PROMPT} {n}"))
-        response = keyed.client(limited(path), n % 2).post(path, json=body)
+        body = json.loads(json.dumps(body_of(case)).replace(PROMPT, f"{PROMPT} {n}"))
+        response = keyed.client(limited(case), n % 2).post(case.path, json=body)
         statuses.append(response.status_code)
         if response.status_code == 429:
             break
@@ -269,7 +273,7 @@ def test_a_small_token_limit_holds_on_every_path(keyed: Tenancy, path: str) -> N
     assert statuses[-1] == 429, statuses
     # Each answer was charged what it cost: the key got no more than its limit
     # and the one reservation the limit admitted last.
-    usage = recorded(keyed, limited(path), statuses.count(200))
+    usage = recorded(keyed, limited(case), statuses.count(200))
     spent = usage["prompt_tokens"] + usage["completion_tokens"]
     assert spent <= LIMIT + spent / usage["requests"] + LIMIT * 0.5, (statuses, usage)
 
