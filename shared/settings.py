@@ -302,6 +302,13 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
         ),
     ] = 30.0
     max_file_bytes: MaxFileBytes = 200 * 1024 * 1024
+    file_quota_bytes: Annotated[
+        int,
+        _help(
+            "most bytes of uploaded files one API key may keep stored at once (0: no "
+            "limit); an upload past it is 413 until the key deletes files"
+        ),
+    ] = 2 * 1024 * 1024 * 1024
 
 
 class WorkerSettings(msgspec.Struct, kw_only=True):

@@ -32,10 +32,12 @@ from gateway.batch import Batches, jsonl
 from gateway.context import context_of
 from gateway.jsonresp import json_response
 from gateway.routes import serves
+from gateway.state.files import UPLOADED
+from gateway.tenants import limits
 from shared import routes
 
 # Purposes a file may be uploaded for: a batch's input is the only use here.
-PURPOSES = ("batch",)
+PURPOSES = UPLOADED
 FILES_LIMIT = (10_000, 10_000)  # default and most, as OpenAI's
 BATCHES_LIMIT = (20, 100)
 
@@ -71,8 +73,13 @@ def _limit(request: Request, bounds: tuple[int, int]) -> int:
 
 @serves(routes.FILES, "POST")
 async def create_file(request: Request) -> Response:
-    """Upload a batch input file (multipart: ``file`` and ``purpose``)."""
-    store = services_of(request).store
+    """Upload a batch input file (multipart: ``file`` and ``purpose``): one of
+    its key's requests (``gateway.tenants``), within its quota of stored bytes."""
+    services = services_of(request)
+    store = services.store
+    context = context_of(request.scope)
+    if context.key is not None and limits.has_limits(context.key):
+        await services.limits.admit(context, context.key, lambda: 0)
     limit = _batches(request).max_file_bytes
     declared = header(request, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -91,7 +98,17 @@ async def create_file(request: Request) -> Response:
         filename = upload.filename or "input.jsonl"
     await asyncio.to_thread(jsonl.parse, data)  # refused now, not when a batch is created
     expires_at = _expires_at(form.get("expires_after[anchor]"), form.get("expires_after[seconds]"))
-    owner = context_of(request.scope).owner
+    owner = context.owner
+    quota = services.settings.file_quota_bytes
+    if owner is not None and quota:
+        # Two uploads at once may both fit and together pass it, by one file at most.
+        stored = await store.call(store.files.uploaded_bytes, owner)
+        if stored + len(data) > quota:
+            raise errors.PayloadTooLarge(
+                f"This API key keeps {stored} bytes of uploaded files; {len(data)} more would "
+                f"pass this server's --file-quota-bytes of {quota}. Delete files to make room.",
+                "file",
+            )
     return json_response(
         await store.call(store.files.add, data, filename, str(purpose), "", expires_at, owner)
     )

@@ -19,6 +19,10 @@ from sqlalchemy import Connection, Select, delete, func, insert, select
 from gateway.state.db import Database
 from gateway.state.schema import CHUNK_BYTES, file_chunks, files
 
+# The purposes a client uploads a file for (the gateway writes the others:
+# a batch's output and error files).
+UPLOADED = ("batch",)
+
 # Expired files deleted in one transaction.
 EXPIRE_AT_ONCE = 500
 
@@ -126,6 +130,15 @@ class Files:
                 deleted += _delete(db, gone) if gone else 0
             if len(gone) < EXPIRE_AT_ONCE:
                 return deleted
+
+    def uploaded_bytes(self, owner: str | None) -> int:
+        """The bytes of the files ``owner`` uploaded and still keeps (not the
+        batches' output files, which the gateway wrote)."""
+        query = select(func.coalesce(func.sum(files.c.bytes), 0)).where(
+            files.c.owner == owner, files.c.purpose.in_(UPLOADED)
+        )
+        with self.db.read() as db:
+            return int(db.scalar(query) or 0)
 
     def total_bytes(self) -> int:
         with self.db.read() as db:

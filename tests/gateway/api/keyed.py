@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from gateway.api import auth
 from gateway.app import create_api
 from gateway.state import State
+from gateway.tenants import Limiter
 from shared import api_keys
 from shared.settings import GatewaySettings
 
@@ -26,11 +28,13 @@ WITHIN = 60
 class Keyed:
     """The app, its store and a key per name (``ops`` is an admin)."""
 
-    def __init__(self, tmp_path: Path, names: tuple[str, ...]) -> None:
+    def __init__(self, tmp_path: Path, names: tuple[str, ...], **settings: Any) -> None:
         self.path = tmp_path / "keys.yaml"
         self.keys = {name: api_keys.add(self.path, name) for name in names}
         self.keys["ops"] = api_keys.add(self.path, "ops", admin=True)
-        settings = GatewaySettings(api_keys_file=str(self.path), state_dir=str(tmp_path / "state"))
+        settings = GatewaySettings(
+            api_keys_file=str(self.path), state_dir=str(tmp_path / "state"), **settings
+        )
         self.store = State(settings)
         self.ring = auth.KeyRing(settings)
         self.api = create_api(settings, self.ring)
@@ -40,7 +44,7 @@ class Keyed:
             runner=SimpleNamespace(wake=lambda: None), max_file_bytes=settings.max_file_bytes
         )
         self.api.state.services = SimpleNamespace(
-            settings=settings, store=self.store, batches=batches, keys=self.ring
+            settings=settings, store=self.store, batches=batches, keys=self.ring, limits=Limiter()
         )
         self.app = auth.ApiKeyMiddleware(self.api, self.ring)
 
@@ -63,10 +67,14 @@ class Keyed:
 
 @asynccontextmanager
 async def keyed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...] = ("team-a", "team-b")
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    names: tuple[str, ...] = ("team-a", "team-b"),
+    **settings: Any,
 ) -> AsyncIterator[Keyed]:
+    """The app with the keys ``names`` and ``ops`` (an admin), and ``settings``."""
     monkeypatch.setattr(auth, "RELOAD_SECONDS", 0.0)
-    gateway = Keyed(tmp_path, names)
+    gateway = Keyed(tmp_path, names, **settings)
     await asyncio.wait_for(gateway.store.connect(), WITHIN)
     try:
         yield gateway

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from shared import api_keys
 from tests.gateway.api.keyed import keyed
 
 CHAT = "/v1/chat/completions"
@@ -81,3 +82,38 @@ async def test_a_cursor_naming_another_keys_item_is_an_unknown_one(
             assert await ids(a, "/v1/batches", after="batch_unknown") == []
             assert len(await ids(a, "/v1/files", after=first, order="asc")) == 1  # its own: a place
             assert await ids(a, "/v1/batches", after=mine_batch) == []
+
+
+async def test_a_keys_uploads_stop_at_its_quota_and_another_key_is_not_held_by_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    size = len(json.dumps(LINE))
+    async with keyed(tmp_path, monkeypatch, file_quota_bytes=2 * size) as gateway:
+        async with gateway.client("team-a") as team_a, gateway.client("team-b") as team_b:
+            kept = [await upload(team_a), await upload(team_a)]
+            refused = await team_a.post(
+                "/v1/files",
+                files={"file": ("in.jsonl", json.dumps(LINE).encode())},
+                data={"purpose": "batch"},
+            )
+            assert refused.status_code == 413, refused.text
+            assert "--file-quota-bytes" in refused.json()["error"]["message"]
+            await upload(team_b)  # its own quota
+            # Deleting makes room again.
+            assert (await team_a.delete(f"/v1/files/{kept[0]}")).status_code == 200
+            await upload(team_a)
+
+
+async def test_an_upload_is_one_of_its_keys_requests(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with keyed(tmp_path, monkeypatch) as gateway:
+        gateway.keys["metered"] = api_keys.add(gateway.path, "metered", requests_per_minute=1)
+        async with gateway.client("metered") as metered:
+            await upload(metered)
+            refused = await metered.post(
+                "/v1/files",
+                files={"file": ("in.jsonl", json.dumps(LINE).encode())},
+                data={"purpose": "batch"},
+            )
+            assert refused.status_code == 429, refused.text
