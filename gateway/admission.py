@@ -33,7 +33,7 @@ waits for its home pool alone, until its deadline rather than
 never makes an interactive request a 429.
 
 Fair sharing (``gateway.fair_share``, ``--fair-share``): a request carries
-its API key's name (its tenant). Among the requests waiting for a pool
+its API key's id (its tenant). Among the requests waiting for a pool
 (and, apart, among its low-priority ones), a freed slot goes to the one
 whose key has received the least service lately (a virtual token counter),
 not simply the first in line; first come first served among equals and
@@ -127,7 +127,7 @@ class Admission:
         """A worker with a free slot for ``target``, chosen by the policy, and its
         tier; queues if none may take it now (and calls ``on_queued`` then).
         ``low_priority``: after every interactive request (a batch line).
-        ``tenant``: the request's API key name, for fair sharing; the pool
+        ``tenant``: the request's API key id, for fair sharing; the pool
         tells :meth:`finished` the same when the request ends."""
         tenant = self._tenant(tenant)
         self.fair.arrive(tenant)

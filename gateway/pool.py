@@ -55,7 +55,7 @@ class _Attempt:
     delivery: Delivery
     # A batch line's (admitted behind interactive requests).
     low_priority: bool
-    # Its API key's name (fair sharing).
+    # Its API key's id (fair sharing).
     tenant: str | None = None
     started: float = field(default_factory=time.monotonic)
 
@@ -181,7 +181,7 @@ class Pool:
         addresses of workers not to use (those a retry already failed on).
         ``trace`` is the request's trace context, for the worker.
         ``low_priority`` (a batch line) waits behind interactive requests
-        here and in the engine. ``tenant``: the request's API key name, which
+        here and in the engine. ``tenant``: the request's API key id, which
         admission shares the slots between and charges its usage to.
         """
         if isinstance(target, str):
