@@ -53,6 +53,7 @@ from gateway.fair_share import FairQueue, FairShare, Tenant
 from gateway.models import Target, Tier
 from gateway.policies import Policy, RoutingContext
 from gateway.slots import Slots
+from gateway.work import WorkOrder
 from gateway.workers import Workers, WorkerState
 from shared.settings import GatewaySettings
 
@@ -116,24 +117,27 @@ class Admission:
 
     async def acquire(
         self,
-        target: Target,
-        key: str | None,
-        deadline: float,
-        exclude: Collection[str],
+        order: WorkOrder,
+        exclude: Collection[str] = (),
         on_queued: Callable[[], object] | None = None,
-        low_priority: bool = False,
-        tenant: Tenant = None,
     ) -> tuple[WorkerState, Tier]:
-        """A worker with a free slot for ``target``, chosen by the policy, and its
-        tier; queues if none may take it now (and calls ``on_queued`` then).
-        ``low_priority``: after every interactive request (a batch line).
-        ``tenant``: the request's API key id, for fair sharing; the pool
-        tells :meth:`finished` the same when the request ends."""
-        tenant = self._tenant(tenant)
+        """A worker with a free slot for the order's target, chosen by the
+        policy (by the order's routing key), and its tier; queues if none may
+        take it now (and calls ``on_queued`` then), until the order's deadline.
+        A ``low_priority`` order goes after every interactive request; its
+        ``tenant`` (the API key's id) is what fair sharing shares slots
+        between, and the pool tells :meth:`finished` the same when it ends."""
+        tenant = self._tenant(order.tenant)
         self.fair.arrive(tenant)
         try:
             return await self._acquire(
-                target, key, deadline, exclude, on_queued, low_priority, tenant
+                order.pools,
+                order.key,
+                order.deadline,
+                exclude,
+                on_queued,
+                order.low_priority,
+                tenant,
             )
         except BaseException:
             self.fair.depart(tenant)

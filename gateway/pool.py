@@ -34,6 +34,7 @@ from gateway.handle import Answerer, Delivery, RequestHandle, WorkerLost
 from gateway.models import Models, Target, Tier
 from gateway.policies import Policy, make_policy
 from gateway.transport import WorkerLink
+from gateway.work import WorkOrder
 from gateway.workers import Workers, WorkerState
 from shared import protocol
 from shared.settings import GatewaySettings
@@ -161,43 +162,30 @@ class Pool:
 
     async def submit(
         self,
-        request_id: str,
-        kind: protocol.RequestKind,
-        target: Target | str,
-        params: dict[str, object],
-        deadline: float,
-        key: str | None = None,
+        order: WorkOrder,
         exclude: Collection[str] = (),
-        trace: dict[str, str] | None = None,
         on_queued: Callable[[], object] | None = None,
-        low_priority: bool = False,
-        tenant: str | None = None,
     ) -> RequestHandle:
         """Admit the request, pick a worker, send it; raises a ``GatewayError`` if refused.
 
-        ``request_id`` becomes the id of the ``Generate`` (and vLLM's); if
-        it is in use or was lately (a retry, a client's reused
+        The order's ``request_id`` becomes the id of the ``Generate`` (and
+        vLLM's); if it is in use or was lately (a retry, a client's reused
         ``X-Request-Id``), a suffix ``~N`` keeps the two apart. ``exclude``:
-        addresses of workers not to use (those a retry already failed on).
-        ``trace`` is the request's trace context, for the worker.
-        ``low_priority`` (a batch line) waits behind interactive requests
-        here and in the engine. ``tenant``: the request's API key id, which
-        admission shares the slots between and charges its usage to.
+        addresses of workers not to use (those a retry already failed on);
+        ``on_queued``: called if the request has to wait for a slot.
         """
-        if isinstance(target, str):
-            target = Target(target, (Tier("", target),))
-        worker, tier = await self.admission.acquire(
-            target, key, deadline, exclude, on_queued, low_priority, tenant
-        )
+        worker, tier = await self.admission.acquire(order, exclude, on_queued)
+        request_id = order.request_id
+        low_priority, tenant = order.low_priority, order.tenant
         if request_id in self.pending or request_id in self._released:
             request_id = f"{request_id}~{next(self._suffixes)}"
         message = protocol.Generate(
             request_id=request_id,
             model=tier.model,
-            kind=kind,
-            params=params,
-            deadline=deadline,
-            trace=trace,
+            kind=order.kind,
+            params=order.params,
+            deadline=order.deadline,
+            trace=order.trace,
             priority=protocol.BATCH_PRIORITY if low_priority else 0,
         )
         try:
@@ -220,7 +208,7 @@ class Pool:
         )
         # A handle releases its request once, however often it is closed.
         release = functools.partial(self._release, request_id)
-        handle, delivery = RequestHandle.open(request_id, answered_by, deadline, release)
+        handle, delivery = RequestHandle.open(request_id, answered_by, order.deadline, release)
         self.pending[request_id] = _Attempt(
             request_id, worker, tier, delivery, low_priority, tenant
         )

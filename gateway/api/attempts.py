@@ -20,6 +20,7 @@ from gateway.handle import Answerer, RequestHandle, WorkerLost
 from gateway.models import Target
 from gateway.pool import Pool
 from gateway.tracing import RequestSpan
+from gateway.work import WorkOrder
 from shared import protocol
 
 # A request's lines keep the logger they were always written under, wherever
@@ -154,19 +155,19 @@ class Attempts:
     async def _submit(self, target: Target, raw: dict[str, Any], retries: Retries) -> RequestHandle:
         span = self.span
         try:
-            handle = await self.pool.submit(
+            order = WorkOrder(
                 self.request_id,
                 self.kind,
                 target,
                 raw,
                 self.deadline,
                 self.key,
-                exclude=retries.tried,
-                trace=span.headers(),
-                on_queued=(lambda: span.event("queued")) if span.on else None,
-                low_priority=self.low_priority,
-                tenant=self.tenant,
+                span.headers(),
+                self.low_priority,
+                self.tenant,
             )
+            queued = (lambda: span.event("queued")) if span.on else None
+            handle = await self.pool.submit(order, retries.tried, queued)
         except errors.NoWorker as exc:
             refused = retries.no_worker(exc)
             if refused is exc:

@@ -16,6 +16,7 @@ from gateway import errors
 from gateway.admission import Admission
 from gateway.models import Target, Tier
 from gateway.policies.round_robin import RoundRobin
+from gateway.work import WorkOrder
 from gateway.workers import Workers, WorkerState
 from shared import protocol
 from shared.settings import GatewaySettings
@@ -46,7 +47,7 @@ def add(workers: Workers, name: str, capacity: int, model: str = "m") -> WorkerS
 
 async def take(gate: Admission, exclude: tuple[str, ...] = ()) -> WorkerState:
     """Admit one request for ``m`` and occupy its slot, as the pool does."""
-    chosen, tier = await gate.acquire(M, None, 0.0, exclude)
+    chosen, tier = await gate.acquire(WorkOrder("r", "completion", M, {}), exclude)
     assert tier.model == "m"
     chosen.in_flight += 1
     return chosen

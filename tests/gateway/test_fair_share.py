@@ -23,6 +23,7 @@ from gateway.api.call import Call
 from gateway.context import context_of
 from gateway.fair_share import DEFAULT_ESTIMATE, FairShare, Tenant
 from gateway.pool import Pool
+from gateway.work import WorkOrder
 from gateway.workers import Workers, WorkerState
 from shared import routes
 from shared.api_keys import KeyEntry
@@ -60,7 +61,8 @@ class OneSlot:
         self.sent: collections.Counter[Tenant] = collections.Counter()
 
     async def _one(self, tenant: Tenant, label: str, low: bool) -> None:
-        worker, _ = await self.gate.acquire(M, None, 0.0, (), low_priority=low, tenant=tenant)
+        order = WorkOrder(label, "completion", M, {}, low_priority=low, tenant=tenant)
+        worker, _ = await self.gate.acquire(order)
         worker.in_flight += 1
         self.served.append(label)
         self.running.append(tenant)
@@ -274,7 +276,7 @@ async def test_the_pool_charges_a_request_its_usage_as_the_worker_reports_it() -
     pool = Pool(GatewaySettings(policy="round-robin"))
     try:
         worker = healthy_worker(pool, "a")
-        handle = await pool.submit("r", "completion", "m", {}, 0.0, tenant="team-a")
+        handle = await pool.submit(WorkOrder("r", "completion", "m", {}, 0.0, tenant="team-a"))
         rid = await sent_to(worker)
         answer(pool, worker, rid, "Hello", " world")
         async for _ in handle:

@@ -12,6 +12,7 @@ from gateway import errors
 from gateway.handle import Answerer, Delivery, RequestHandle, WorkerLost
 from gateway.models import Models
 from gateway.pool import Pool
+from gateway.work import WorkOrder
 from shared import config, protocol
 from shared.settings import GatewaySettings
 from tests.gateway.test_tiers import worker
@@ -133,8 +134,10 @@ async def test_the_pool_names_the_worker_its_run_and_the_substitute_that_answere
     spare = worker(pool, "spare", "m2", capacity=1)
     spare.system_fingerprint = "fp-spare"
     target = pool.resolve("m", {}, [])
-    first = await pool.submit("a", "completion", target, {}, 0.0)
-    second = await pool.submit("b", "completion", target, {}, 0.0)  # home is full: spills
+    first = await pool.submit(WorkOrder("a", "completion", target, {}, 0.0))
+    second = await pool.submit(
+        WorkOrder("b", "completion", target, {}, 0.0)
+    )  # home is full: spills
     assert first.answered_by == Answerer("tcp://home:5550", "i", "m", "home", None, False)
     assert second.answered_by == Answerer("tcp://spare:5550", "i", "m2", "spare", "fp-spare", False)
     first.close()

@@ -21,6 +21,7 @@ from prometheus_client import REGISTRY
 
 from gateway.handle import RequestHandle, WorkerLost
 from gateway.pool import Pool
+from gateway.work import WorkOrder
 from gateway.workers import Workers, WorkerState
 from shared import protocol
 from shared.settings import GatewaySettings
@@ -184,9 +185,9 @@ async def stalled_pool(
     (``another_worker``) a second worker, whose heartbeats keep coming."""
     pool = Pool(settings)
     state, beat = add_worker(pool, "a")
-    stream = await pool.submit("stream", "completion", "m", {}, 0.0)
+    stream = await pool.submit(WorkOrder("stream", "completion", "m", {}, 0.0))
     stream.mark_streaming()  # as gateway.api.attempts marks it once the stream starts
-    waiting = await pool.submit("waiting", "completion", "m", {}, 0.0)
+    waiting = await pool.submit(WorkOrder("waiting", "completion", "m", {}, 0.0))
     if another_worker:
         other, other_beat = add_worker(pool, "b")
         other.link.waiting.extend([other_beat] * 100)  # type: ignore[attr-defined]

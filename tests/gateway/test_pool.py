@@ -14,6 +14,7 @@ import pytest
 
 from gateway.handle import WorkerLost
 from gateway.pool import Pool
+from gateway.work import WorkOrder
 from gateway.workers import WorkerState
 from shared import protocol
 from shared.settings import GatewaySettings
@@ -51,12 +52,12 @@ def delta(request_id: str, text: str, usage: bool = False) -> protocol.Deltas:
 
 async def test_a_retry_never_receives_what_the_lost_worker_sends_late(pool: Pool) -> None:
     a, b = healthy_worker(pool, "a"), healthy_worker(pool, "b")
-    first = await pool.submit("req-1", "completion", "m", {}, 0.0, exclude=[b.address])
+    first = await pool.submit(WorkOrder("req-1", "completion", "m", {}, 0.0), exclude=[b.address])
     assert first.answered_by.address == a.address and first.request_id == "req-1"
     pool.workers.lose(a, "silent for 3.1s")
     assert isinstance(await first.next(), WorkerLost)
     first.close()
-    retry = await pool.submit("req-1", "completion", "m", {}, 0.0, exclude=[a.address])
+    retry = await pool.submit(WorkOrder("req-1", "completion", "m", {}, 0.0), exclude=[a.address])
     assert retry.answered_by.address == b.address
     assert retry.request_id != "req-1"  # its own id on the wire
     # The hung worker comes back and sends what it had for req-1: dropped.
@@ -71,7 +72,7 @@ async def test_a_retry_never_receives_what_the_lost_worker_sends_late(pool: Pool
 
 async def test_a_lost_worker_is_told_to_abort_our_requests(pool: Pool) -> None:
     a = healthy_worker(pool, "a")
-    handle = await pool.submit("req-2", "completion", "m", {}, 0.0)
+    handle = await pool.submit(WorkOrder("req-2", "completion", "m", {}, 0.0))
     pool.workers.lose(a, "silent for 3.1s")
     aborts = [m for m in a.link.sent if isinstance(m, protocol.Abort)]  # type: ignore[attr-defined]
     assert aborts and aborts[-1].request_ids == ["req-2"]
@@ -80,9 +81,9 @@ async def test_a_lost_worker_is_told_to_abort_our_requests(pool: Pool) -> None:
 
 async def test_closing_an_old_handle_twice_leaves_the_new_one_alone(pool: Pool) -> None:
     a = healthy_worker(pool, "a")
-    old = await pool.submit("req-3", "completion", "m", {}, 0.0)
+    old = await pool.submit(WorkOrder("req-3", "completion", "m", {}, 0.0))
     old.close()
-    new = await pool.submit("req-3", "completion", "m", {}, 0.0)
+    new = await pool.submit(WorkOrder("req-3", "completion", "m", {}, 0.0))
     old.close()
     assert list(pool.pending) == [new.request_id]
     assert a.in_flight == 1
@@ -92,8 +93,8 @@ async def test_closing_an_old_handle_twice_leaves_the_new_one_alone(pool: Pool) 
 
 async def test_two_requests_with_one_client_id_get_two_wire_ids(pool: Pool) -> None:
     healthy_worker(pool, "a")
-    first = await pool.submit("same", "completion", "m", {}, 0.0)
-    second = await pool.submit("same", "completion", "m", {}, 0.0)
+    first = await pool.submit(WorkOrder("same", "completion", "m", {}, 0.0))
+    second = await pool.submit(WorkOrder("same", "completion", "m", {}, 0.0))
     assert first.request_id == "same" and second.request_id.startswith("same~")
     first.close()
     second.close()

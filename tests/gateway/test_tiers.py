@@ -11,6 +11,7 @@ import pytest
 from gateway import errors, metrics
 from gateway.models import Models, Tier
 from gateway.pool import Pool
+from gateway.work import WorkOrder
 from gateway.workers import WorkerState
 from shared import config, protocol
 from shared.settings import GatewaySettings
@@ -52,7 +53,7 @@ def spilled() -> float:
 
 
 async def submit(pool: Pool, rid: str) -> Any:
-    return await pool.submit(rid, "completion", pool.resolve("m", {}, []), {}, 0.0)
+    return await pool.submit(WorkOrder(rid, "completion", pool.resolve("m", {}, []), {}, 0.0))
 
 
 async def test_a_full_home_pool_spills_at_once_with_spill_after_zero() -> None:
@@ -115,7 +116,9 @@ async def test_a_queued_request_keeps_its_place_over_a_newcomer() -> None:
 async def test_no_pool_the_config_does_not_declare_as_substitute_takes_a_request() -> None:
     pool = await make_pool("0")
     # `other` has free slots but is no substitute for m; the spare is busy.
-    spare_user = await pool.submit("s", "completion", pool.resolve("m2", {}, []), {}, 0.0)
+    spare_user = await pool.submit(
+        WorkOrder("s", "completion", pool.resolve("m2", {}, []), {}, 0.0)
+    )
     first = await submit(pool, "a")
     waiting = asyncio.create_task(submit(pool, "b"))
     await asyncio.sleep(0.05)
@@ -129,7 +132,7 @@ async def test_no_pool_the_config_does_not_declare_as_substitute_takes_a_request
 async def test_an_unknown_model_is_a_404_even_with_pools() -> None:
     pool = await make_pool("0")
     with pytest.raises(errors.ModelNotFound):
-        await pool.submit("x", "completion", pool.resolve("nope", {}, []), {}, 0.0)
+        await pool.submit(WorkOrder("x", "completion", pool.resolve("nope", {}, []), {}, 0.0))
     pool.workers.ctx.term()
 
 
@@ -158,24 +161,24 @@ async def test_a_declared_model_whose_pool_is_starting_is_a_503_not_a_404() -> N
     pool = starting_pool()
     for name in ("later", "soon", "auto"):
         with pytest.raises(errors.ModelNotReady) as refused:
-            await pool.submit("x", "completion", pool.resolve(name, {}, []), {}, 0.0)
+            await pool.submit(WorkOrder("x", "completion", pool.resolve(name, {}, []), {}, 0.0))
         assert refused.value.status == 503 and refused.value.param == "model"
         assert refused.value.headers() == {"Retry-After": str(errors.NO_WORKER_RETRY_AFTER)}
         assert "`later` is not ready: it is starting" in refused.value.message
     # auto's rule for the pool that is up runs; a name nobody declared is a 404.
     target = pool.resolve("auto", {}, [(b"x-tier", b"up")])
-    handle = await pool.submit("y", "completion", target, {}, 0.0)
+    handle = await pool.submit(WorkOrder("y", "completion", target, {}, 0.0))
     assert handle.answered_by.pool == "up"
     handle.close()
     with pytest.raises(errors.ModelNotFound):
-        await pool.submit("z", "completion", pool.resolve("nope", {}, []), {}, 0.0)
+        await pool.submit(WorkOrder("z", "completion", pool.resolve("nope", {}, []), {}, 0.0))
     pool.workers.ctx.term()
 
 
 async def test_a_declared_model_is_served_once_its_worker_comes_up() -> None:
     pool = starting_pool()
     worker(pool, "starting", "later", capacity=1)
-    handle = await pool.submit("x", "completion", pool.resolve("soon", {}, []), {}, 0.0)
+    handle = await pool.submit(WorkOrder("x", "completion", pool.resolve("soon", {}, []), {}, 0.0))
     assert handle.answered_by.pool == "starting" and handle.answered_by.model == "later"
     handle.close()
     pool.workers.ctx.term()
@@ -186,7 +189,7 @@ async def test_a_declared_model_whose_workers_died_is_a_503_that_says_so() -> No
     later = worker(pool, "starting", "later", capacity=1)
     pool.workers.lose(later, "its connection dropped")
     with pytest.raises(errors.ModelNotReady) as refused:
-        await pool.submit("x", "completion", pool.resolve("soon", {}, []), {}, 0.0)
+        await pool.submit(WorkOrder("x", "completion", pool.resolve("soon", {}, []), {}, 0.0))
     assert "no worker serves it now" in refused.value.message
     pool.workers.ctx.term()
 
@@ -197,9 +200,9 @@ async def test_without_a_config_a_model_once_served_is_a_503_and_a_new_name_a_40
     gone = worker(pool, "b", "m2", capacity=1)
     pool.workers.lose(gone, "its connection dropped")
     with pytest.raises(errors.ModelNotReady):
-        await pool.submit("x", "completion", "m2", {}, 0.0)
+        await pool.submit(WorkOrder("x", "completion", "m2", {}, 0.0))
     with pytest.raises(errors.ModelNotFound):
-        await pool.submit("y", "completion", "m3", {}, 0.0)
+        await pool.submit(WorkOrder("y", "completion", "m3", {}, 0.0))
     pool.workers.ctx.term()
 
 
@@ -207,9 +210,9 @@ async def test_with_no_worker_up_at_all_a_request_gets_a_503_with_retry_after() 
     pool = Pool(GatewaySettings(startup_timeout=0.01), models=Models(config.parse(STARTING)))
     # A declared name says it is starting; any other name cannot be judged yet.
     with pytest.raises(errors.ModelNotReady) as declared:
-        await pool.submit("x", "completion", pool.resolve("soon", {}, []), {}, 0.0)
+        await pool.submit(WorkOrder("x", "completion", pool.resolve("soon", {}, []), {}, 0.0))
     with pytest.raises(errors.NoWorker) as undeclared:
-        await pool.submit("y", "completion", pool.resolve("nope", {}, []), {}, 0.0)
+        await pool.submit(WorkOrder("y", "completion", pool.resolve("nope", {}, []), {}, 0.0))
     assert type(undeclared.value) is errors.NoWorker
     for refused in (declared, undeclared):
         assert refused.value.headers() == {"Retry-After": str(errors.NO_WORKER_RETRY_AFTER)}

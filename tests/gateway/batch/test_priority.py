@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from gateway.pool import Pool
+from gateway.work import WorkOrder
 from gateway.workers import WorkerState
 from shared import protocol
 from shared.settings import GatewaySettings
@@ -34,7 +35,7 @@ def make_pool(capacity: int, **settings: Any) -> tuple[Pool, WorkerState]:
 
 
 async def submit(pool: Pool, rid: str, low: bool = False) -> Any:
-    return await pool.submit(rid, "chat", MODEL, {}, 0.0, low_priority=low)
+    return await pool.submit(WorkOrder(rid, "chat", MODEL, {}, 0.0, low_priority=low))
 
 
 async def settle() -> None:

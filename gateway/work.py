@@ -1,0 +1,44 @@
+"""One request's work for the pool: :class:`WorkOrder`, what the API hands dispatch.
+
+It says what to run (the request's kind and parameters, under its id), where
+it may run (its target: the pools, in tier order), until when, how it is
+routed (the prefix policy's key), and on whose behalf (its API key's id, for
+fair sharing, and whether it goes after interactive work). Admission and the
+pool read it whole (``gateway.pool.Pool.submit``); what changes between a
+request's attempts (the workers a retry must avoid) goes beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.models import Target, Tier
+from shared import protocol
+
+
+@dataclass(frozen=True, slots=True)
+class WorkOrder:
+    request_id: str
+    kind: protocol.RequestKind
+    # The pools that may run it, in tier order (a bare model name: its workers).
+    target: Target | str
+    # The body the worker gets (OpenAI's and vLLM's field names).
+    params: dict[str, Any]
+    # Unix time after which it is given up (0: none).
+    deadline: float = 0.0
+    # The routing key (the prefix policy), or None.
+    key: str | None = None
+    # The request's trace context (W3C headers), for the worker.
+    trace: dict[str, str] | None = None
+    # A batch line or a batch key's request: after every interactive request,
+    # here and in the engine.
+    low_priority: bool = False
+    # The API key's id: admission shares slots between keys and charges this one.
+    tenant: str | None = None
+
+    @property
+    def pools(self) -> Target:
+        """Its target, a bare model name made a target of that name's workers."""
+        target = self.target
+        return target if isinstance(target, Target) else Target(target, (Tier("", target),))
