@@ -59,7 +59,7 @@ class Ledger:
         """One finished request of the key whose id is ``key`` (named ``name``;
         "": the id) on ``model`` today (UTC)."""
         if name and self._names.get(key) != name:
-            self._names[key] = str(name)
+            self._names[key] = name
         day = self.today()
         counts = self._open.get((key, model, day))
         if counts is None:
