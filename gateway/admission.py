@@ -92,6 +92,10 @@ class _PoolQueue:
     def wake_one(self, usable: Callable[[Collection[str]], bool]) -> bool:
         return self.waiters.wake_one(usable) or self.low_waiters.wake_one(usable)
 
+    def waiting(self) -> bool:
+        """Whether any request may be waiting here (False: none is)."""
+        return bool(self.waiters) or bool(self.low_waiters)
+
 
 class Admission:
     def __init__(self, settings: GatewaySettings, workers: Workers, policy: Policy) -> None:
@@ -104,6 +108,7 @@ class Admission:
         self._pools: dict[str, _PoolQueue] = {}
         # Every key's service received, in this process.
         self.fair = FairShare()
+        self._fair_share = settings.fair_share
 
     def pool(self, tier: Tier) -> _PoolQueue:
         queue = self._pools.get(tier.label)
@@ -113,7 +118,7 @@ class Admission:
 
     def _tenant(self, tenant: Tenant) -> Tenant:
         """The key a request is shared by: none (one line for all) without fair sharing."""
-        return tenant if self.settings.fair_share else None
+        return tenant if self._fair_share else None
 
     async def acquire(
         self,
@@ -158,6 +163,17 @@ class Admission:
             if target.declared:
                 raise self.slots.not_ready(target)
             raise errors.NoWorker("No worker is available yet; try again shortly.")
+        tried = None
+        if not low_priority:
+            # The common case first: a free slot in the first tier's pool and
+            # nobody queued there (that tier is then live, so the home tier).
+            tried = target.tiers[0]
+            queue = self._pools.get(tried.label)  # not made here: the tier may not exist
+            if queue is None or not queue.queued:
+                chosen = self._take(tried, key, exclude)
+                if chosen is not None:
+                    self.fair.charge(tenant)
+                    return chosen
         tiers = self.slots.live_tiers(target, exclude)
         home = tiers[0]
         home_queue = self.pool(home)
@@ -169,7 +185,7 @@ class Admission:
             if on_queued is not None:
                 on_queued()
             return await self._wait_low(home, key, deadline, exclude, tenant)
-        if not home_queue.queued:  # else those first
+        if not home_queue.queued and home is not tried:  # else those first
             chosen = self._take(home, key, exclude)
             if chosen is not None:
                 self.fair.charge(tenant)
@@ -210,8 +226,8 @@ class Admission:
             on_queued()
         self.queued += 1
         home_queue.queued += 1
-        metrics.QUEUE_DEPTH.inc()
-        home_queue.depth_gauge.inc()
+        metrics.add(metrics.QUEUE_DEPTH)
+        metrics.add(home_queue.depth_gauge)
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
         ticket = self.fair.ticket()
@@ -261,8 +277,8 @@ class Admission:
         finally:
             self.queued -= 1
             home_queue.queued -= 1
-            metrics.QUEUE_DEPTH.dec()
-            home_queue.depth_gauge.dec()
+            metrics.add(metrics.QUEUE_DEPTH, -1)
+            metrics.add(home_queue.depth_gauge, -1)
             self._leave(waiter, chosen is not None, tiers, tenant)
 
     async def _wait_low(
@@ -381,7 +397,7 @@ class Admission:
         if seconds is not None:
             queue.mean_seconds += _EWMA_WEIGHT * (seconds - queue.mean_seconds)
         self.fair.finished(self._tenant(tenant), tokens)
-        queue.in_flight_gauge.dec()
+        metrics.add(queue.in_flight_gauge, -1)
         self.wake_pools([tier])
 
     def unused(self, tier: Tier, tenant: Tenant) -> None:
@@ -393,14 +409,14 @@ class Admission:
         self.wake_pools([tier])
 
     def started(self, tier: Tier) -> None:
-        self.pool(tier).in_flight_gauge.inc()
+        metrics.add(self.pool(tier).in_flight_gauge)
 
     def wake_pools(self, tiers: Collection[Tier]) -> None:
         """One queued request of the first of ``tiers`` with any that can use a
         free slot there may look for it."""
         for tier in tiers:
             queue = self._pools.get(tier.label)
-            if queue is not None and queue.wake_one(self._usable(tier)):
+            if queue is not None and queue.waiting() and queue.wake_one(self._usable(tier)):
                 return
 
     def wake(self) -> None:

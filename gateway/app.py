@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
@@ -22,7 +23,7 @@ from gateway.api import tgi as _tgi  # noqa: F401
 from gateway.api import usage as _usage  # noqa: F401
 from gateway.api import vllm_routes as _vllm_routes  # noqa: F401
 from gateway.api.request_ids import request_id_of
-from gateway.api.services import Services
+from gateway.api.services import ServedApp, Services
 from gateway.batch import api as _batch_api  # noqa: F401
 from gateway.cache import merge_config, open_cache
 from gateway.models import Models
@@ -59,7 +60,7 @@ def create_app(settings: GatewaySettings) -> ASGIApp:
     return request_ids.RequestIds(app)
 
 
-def below_keys(api: FastAPI, keys: auth.KeyRing) -> ASGIApp:
+def below_keys(api: ServedApp, keys: auth.KeyRing) -> ASGIApp:
     """The app below the API-key check: the API's POST routes served directly
     (:mod:`gateway.api.direct`), then FastAPI; with keys, a key's rate-limit
     headers and its grant's end around them (``gateway.tenants``). The batch
@@ -68,13 +69,13 @@ def below_keys(api: FastAPI, keys: auth.KeyRing) -> ASGIApp:
     return tenants.LimitScope(app) if len(keys) else app
 
 
-def create_api(settings: GatewaySettings, keys: auth.KeyRing | None = None) -> FastAPI:
+def create_api(settings: GatewaySettings, keys: auth.KeyRing | None = None) -> ServedApp:
     """The FastAPI app: every route (and the OpenAPI document), the services'
     lifetime (:class:`gateway.api.services.Services`), and the error handlers."""
     keyring = keys if keys is not None else auth.KeyRing(settings)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: ServedApp) -> AsyncIterator[None]:
         # Model names, aliases, auto, pools and tiers (--config).
         models = Models.from_file(settings.config)
         pool = Pool(settings, models=models)
@@ -100,23 +101,32 @@ def create_api(settings: GatewaySettings, keys: auth.KeyRing | None = None) -> F
             pool.interactive_since,
             keyring,
         )
-        app.state.services = Services(settings, pool, limits, cache, store, batches, keyring)
+        app.services = Services(settings, pool, limits, cache, store, batches, keyring)
         # What start-up built (FastAPI, pydantic, routes) lives as long as the
         # process: frozen, the cyclic collector stops walking it again every
         # few hundred requests.
         gc.freeze()
+        # A request makes a few dozen containers and frees nearly all of them
+        # by reference count: at the default threshold (700) the young
+        # generation was still collected every few dozen requests under load,
+        # for nothing (docs/benchmarks.md).
+        gc.set_threshold(10_000, 10, 10)
+        # The request path's counter and gauge moves, written out each second.
+        flusher = asyncio.create_task(metrics.flush_every(1.0))
         try:
             yield
         finally:
+            flusher.cancel()
             await batches.stop()
             await store.stop()
             if cache is not None:
                 await cache.close()
             await limits.stop()
             await pool.stop()
+            metrics.flush()
             metrics.mark_process_dead(os.getpid())
 
-    app = FastAPI(
+    app = ServedApp(
         title="llmgate", summary="OpenAI-compatible gateway over vLLM workers", lifespan=lifespan
     )
     routes.declare(app)  # every route of the table (shared.routes)

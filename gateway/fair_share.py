@@ -80,6 +80,8 @@ class FairShare:
         self._mean = DEFAULT_ESTIMATE
         # Arrival order of waiters, for ties between keys.
         self._order = itertools.count()
+        # Keys with a request waiting or running.
+        self._active_keys = 0
 
     def _account(self, tenant: Tenant) -> _Account:
         account = self._accounts.get(tenant)
@@ -102,9 +104,12 @@ class FairShare:
             # Service the others received, not what they were charged in
             # advance (their estimates may be high: the newcomer would then
             # lose turns it is owed once they settle).
-            others = [a.counter - a.outstanding for a in self._accounts.values() if a.active]
-            lift = min(others) if others else self._floor
-            account.counter = max(account.counter, lift)
+            lift = self._floor
+            if self._active_keys:
+                lift = min(a.counter - a.outstanding for a in self._accounts.values() if a.active)
+            if lift > account.counter:
+                account.counter = lift
+            self._active_keys += 1
         account.active += 1
 
     def depart(self, tenant: Tenant) -> None:
@@ -113,8 +118,10 @@ class FairShare:
         if account is None or account.active == 0:
             return
         account.active -= 1
-        if account.active == 0 and not any(a.active for a in self._accounts.values()):
-            self._floor = max(self._floor, account.counter)
+        if account.active == 0:
+            self._active_keys -= 1
+            if not self._active_keys:
+                self._floor = max(self._floor, account.counter)
 
     def charge(self, tenant: Tenant) -> None:
         """A request of ``tenant`` is given a slot: its expected cost, in advance."""
@@ -182,6 +189,10 @@ class FairQueue:
     ) -> None:
         """Back at the front of its key's line (woken, but the slot went elsewhere)."""
         self._line(tenant).appendleft((ticket, waiter, exclude))
+
+    def __bool__(self) -> bool:
+        """Whether any request may be waiting (a line may hold only left ones)."""
+        return bool(self._lines)
 
     def _line(self, tenant: Tenant) -> collections.deque[_Entry]:
         line = self._lines.get(tenant)

@@ -19,15 +19,15 @@ import asyncio
 import collections
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
+
+import msgspec
 
 from gateway import errors
 from shared import protocol
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerLost:
+class WorkerLost(msgspec.Struct, frozen=True):
     """The worker running a request went away; the request may be retried elsewhere."""
 
     reason: str
@@ -36,8 +36,7 @@ class WorkerLost:
 Item = protocol.Delta | protocol.Failed | WorkerLost
 
 
-@dataclass(frozen=True, slots=True)
-class Answerer:
+class Answerer(msgspec.Struct, frozen=True):
     """Who answers a request, as of when it was sent: what its response headers,
     trace, metrics and cached entry say about it."""
 

@@ -8,10 +8,18 @@ about themselves is the most recent value any process saw.
 
 Names follow Prometheus conventions (``_total`` counters, ``_seconds``
 histograms, base units) under the ``llmgate_`` prefix.
+
+The request path moves counters and gauges with :func:`add`: a sum in a
+plain dict, which :func:`flush` hands to prometheus_client (its lock and
+checks cost several times a dict update, a dozen times a request). The app
+flushes every second (:func:`flush_every`), at shutdown, and before each
+``/metrics`` answer, so a scrape of this process is exact and one of
+another process is at most a second behind.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 from typing import TypeVar
@@ -223,8 +231,83 @@ def child(metric: M, *labels: str) -> M:
     return metric.labels(*labels)
 
 
+# Counter and gauge moves not yet written to prometheus_client, by series.
+_pending: dict[Counter | Gauge, float] = {}
+
+
+def add(series: Counter | Gauge, amount: float = 1.0) -> None:
+    """Move a counter (``amount`` >= 0) or a gauge (either way) by ``amount``, at
+    the next :func:`flush`. ``series``: a metric without labels or a child."""
+    _pending[series] = _pending.get(series, 0.0) + amount
+
+
+# Finished requests not yet written, by (model, route, status, key): requests,
+# the engine's prompt and generated tokens, and the key's prompt, completion
+# and cached tokens.
+_finished: dict[tuple[str, str, str, str], list[int]] = {}
+
+
+def finished(
+    model: str,
+    route: str,
+    status: str,
+    key: str,
+    prompt: int = 0,
+    completion: int = 0,
+    cached: bool = False,
+) -> None:
+    """Count a finished request (``llmgate_requests_total``, the key's
+    requests and tokens, the engine's tokens) at the next :func:`flush`.
+    ``key``: its key's name; ``prompt``, ``completion``: its usage;
+    ``cached``: a response cache answered it, so the engine computed none."""
+    row = _finished.get((model, route, status, key))
+    if row is None:
+        row = _finished[model, route, status, key] = [0, 0, 0, 0, 0, 0]
+    row[0] += 1
+    row[3] += prompt
+    row[4] += completion
+    if cached:
+        row[5] += prompt + completion
+    else:
+        row[1] += prompt
+        row[2] += completion
+
+
+def flush() -> None:
+    """Write what :func:`add` and :func:`finished` summed to prometheus_client."""
+    global _pending, _finished
+    pending, _pending = _pending, {}
+    for series, amount in pending.items():
+        if amount:
+            series.inc(amount)
+    rows, _finished = _finished, {}
+    for (model, route, status, key), row in rows.items():
+        requests, prompt, generated, key_prompt, key_completion, key_cached = row
+        child(REQUESTS, model, route, status).inc(requests)
+        child(KEY_REQUESTS, key, status).inc(requests)
+        if prompt or generated:
+            child(PROMPT_TOKENS, model).inc(prompt)
+            child(GENERATION_TOKENS, model).inc(generated)
+        if key_prompt or key_completion:
+            child(KEY_TOKENS, key, "prompt").inc(key_prompt)
+            child(KEY_TOKENS, key, "completion").inc(key_completion)
+        if key_cached:
+            child(KEY_TOKENS, key, "cached").inc(key_cached)
+
+
+async def flush_every(seconds: float) -> None:
+    """Flush every ``seconds``, until cancelled (then once more)."""
+    try:
+        while True:
+            await asyncio.sleep(seconds)
+            flush()
+    finally:
+        flush()
+
+
 def render() -> tuple[bytes, str]:
-    """The exposition text and its content type."""
+    """The exposition text and its content type (after a :func:`flush`)."""
+    flush()
     if os.environ.get(MULTIPROC_ENV):
         from prometheus_client import multiprocess
 

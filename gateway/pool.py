@@ -217,8 +217,8 @@ class Pool:
             self.last_interactive = time.monotonic()
         worker.requests.add(request_id)
         worker.in_flight += 1
-        metrics.IN_FLIGHT.inc()
-        worker.in_flight_gauge.inc()
+        metrics.add(metrics.IN_FLIGHT)
+        metrics.add(worker.in_flight_gauge)
         self.admission.started(tier)
         return handle
 
@@ -234,8 +234,8 @@ class Pool:
         worker = attempt.worker
         worker.requests.discard(attempt.request_id)
         worker.in_flight -= 1
-        metrics.IN_FLIGHT.dec()
-        worker.in_flight_gauge.dec()
+        metrics.add(metrics.IN_FLIGHT, -1)
+        metrics.add(worker.in_flight_gauge, -1)
         finished = attempt.delivery.finished
         if not finished and (worker.healthy or worker.stalled):
             worker.link.send(protocol.Abort(request_ids=[attempt.request_id]))

@@ -71,24 +71,17 @@ class Accounting:
         model = self.model
         if model not in self.known_models:
             model = metrics.UNKNOWN_MODEL
+        elapsed = time.monotonic() - self.started
+        metrics.child(metrics.E2E_LATENCY, model, route).observe(elapsed)
         key = context.key_name
-        child = metrics.child
-        child(metrics.REQUESTS, model, route, str(status)).inc()
-        child(metrics.E2E_LATENCY, model, route).observe(time.monotonic() - self.started)
-        child(metrics.KEY_REQUESTS, key, str(status)).inc()
         if usage is None:
+            metrics.finished(model, route, str(status), key)
             return
         prompt, completion = usage.prompt_tokens, usage.completion_tokens
-        if not cached:  # the engine's work
-            child(metrics.PROMPT_TOKENS, model).inc(prompt)
-            child(metrics.GENERATION_TOKENS, model).inc(completion)
+        metrics.finished(model, route, str(status), key, prompt, completion, cached)
         # A request that reported no tokens (vLLM's /tokenize, /version, /ping) is no usage.
         if not prompt and not completion:
             return
-        child(metrics.KEY_TOKENS, key, "prompt").inc(prompt)
-        child(metrics.KEY_TOKENS, key, "completion").inc(completion)
-        if cached:
-            child(metrics.KEY_TOKENS, key, "cached").inc(prompt + completion)
         if self.ledger is not None:
             self.ledger.record(
                 context.key_id,

@@ -15,6 +15,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from gateway import errors, metrics, sse
 from gateway.handle import Answerer, RequestHandle, WorkerLost
 from gateway.models import Target
@@ -45,8 +47,7 @@ def _reason(failure: Failure) -> str:
     return "worker_refused"
 
 
-@dataclass(frozen=True, slots=True)
-class Retries:
+class Retries(msgspec.Struct, frozen=True):
     """What one run's failed attempts allow: a value, replaced after each failure."""
 
     # --max-retries: failed attempts retried at most.
@@ -206,7 +207,8 @@ class Attempts:
         """Read the attempt to its end, its output into the builder: the usage, or the failure."""
         builder, recorded = self.builder, self.recorded
         first = True
-        async for item in handle:
+        while True:  # handle.next(), not ``async for``: a coroutine less per item
+            item = await handle.next()
             if not isinstance(item, protocol.Delta):
                 return item
             if first:
@@ -217,4 +219,3 @@ class Attempts:
             builder.add(item)
             if recorded is not None:
                 recorded.append(item)
-        raise AssertionError("a handle's items end with its last one, which returns above")

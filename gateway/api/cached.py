@@ -20,7 +20,7 @@ from gateway import metrics, sse
 from gateway.api.headers import CACHE_HEADER, STREAM_HEADERS, WORKER_HEADER
 from gateway.cache import Entry, ResponseCache, controls, in_scope, key_for
 from gateway.handle import Answerer
-from gateway.jsonresp import JSON
+from gateway.jsonresp import JSONAnswer
 from gateway.pool import Pool
 from gateway.workers import WorkerState
 from shared import protocol, routes
@@ -95,7 +95,7 @@ class CacheStep:
 
     def _count(self, result: str) -> None:
         self.result = result
-        metrics.child(metrics.CACHE_REQUESTS, result).inc()
+        metrics.add(metrics.child(metrics.CACHE_REQUESTS, result))
 
     async def store(
         self,
@@ -138,7 +138,7 @@ def replay(
     if not stream:
         for delta in entry.deltas:
             builder.add(delta)
-        return Response(builder.body(entry.usage), media_type=JSON, headers=headers)
+        return JSONAnswer(builder.body(entry.usage), headers)
 
     async def events() -> AsyncIterator[bytes]:
         for delta in entry.deltas:

@@ -47,7 +47,7 @@ from gateway.api.services import services_of
 from gateway.api.streaming import relay
 from gateway.context import context_of
 from gateway.handle import Answerer, RequestHandle
-from gateway.jsonresp import JSON
+from gateway.jsonresp import JSONAnswer
 from gateway.models import Target
 from gateway.tenants import limits
 from shared import protocol
@@ -203,9 +203,10 @@ class Call:
             assert self.wire is not None
             answered_by, usage = await attempts.run(target, self.wire)
         headers = self._headers(answered_by)
-        await self._store(answered_by, usage, headers)
+        if self.cached is not None:
+            await self.cached.store(usage, len(self.builder.choices), answered_by, headers)
         self.account.finish(200, usage)
-        return Response(self.builder.body(usage), media_type=JSON, headers=headers)
+        return JSONAnswer(self.builder.body(usage), headers)
 
     async def _start_stream(self, attempts: Attempts, target: Target) -> Response:
         assert self.wire is not None
@@ -213,7 +214,9 @@ class Call:
         headers = self._headers(handle.answered_by)
 
         async def store(usage: protocol.Usage) -> None:
-            await self._store(handle.answered_by, usage, headers)
+            if self.cached is not None:
+                choices = len(self.builder.choices)
+                await self.cached.store(usage, choices, handle.answered_by, headers)
 
         body = relay(
             handle, first, self.builder, self.account, attempts.recorded, store, self.log_extra
@@ -232,12 +235,6 @@ class Call:
             cascade=self.cascade_outcome,
             cache=self.cached.result if self.cached is not None else "",
         )
-
-    async def _store(
-        self, answered_by: Answerer, usage: protocol.Usage, headers: dict[str, str]
-    ) -> None:
-        if self.cached is not None:
-            await self.cached.store(usage, len(self.builder.choices), answered_by, headers)
 
     def _release_stream(self, handle: RequestHandle) -> None:
         """The response is over and its generator never ran to its finally

@@ -45,7 +45,7 @@ class DirectRoutes:
         if endpoint is None:
             await self.api(scope, receive, send)
             return
-        scope["app"] = self.api  # as FastAPI would set it: request.app.state.services
+        scope["app"] = self.api  # as FastAPI would set it: request.app.services
         # The request's log lines name its id explicitly (extra=...): setting
         # shared.logs' context variable here cost ~6% of the gateway's
         # requests/s (make bench-overhead), for the few lines a request logs.

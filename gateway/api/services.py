@@ -1,9 +1,10 @@
 """The app's services, made once when it starts: what a request's code reaches for.
 
-:class:`Services` is built in the app's lifespan (``gateway.app``) and read
-through :func:`services_of`: the pool, the keys' limits, the response cache,
-the state store and its usage ledger, the batch runner's front, the keys.
-Nothing a request needs lives in a module global or as a loose attribute of
+:class:`Services` is built in the app's lifespan (``gateway.app``), kept on
+the app (:class:`ServedApp`) and read through :func:`services_of`: the pool,
+the keys' limits, the response cache, the state store and its usage ledger,
+the batch runner's front, the keys.
+Nothing a request needs lives in a module global or as an untyped attribute of
 the app.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fastapi import FastAPI
 from starlette.requests import Request
 
 from gateway.api.auth import KeyRing
@@ -41,6 +43,13 @@ class Services:
         return self.store.ledger
 
 
+class ServedApp(FastAPI):
+    """The FastAPI app, holding its services once its lifespan has made them
+    (a plain attribute: ``app.state``'s lookup is slow, and read on every request)."""
+
+    services: Services
+
+
 def services_of(request: Request) -> Services:
-    services: Services = request.app.state.services
-    return services
+    app: ServedApp = request.scope["app"]
+    return app.services

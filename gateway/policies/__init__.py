@@ -20,15 +20,15 @@ bounded map (the memory of routing stays bounded whatever the traffic):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
+
+import msgspec
 
 if TYPE_CHECKING:
     from gateway.workers import WorkerState
 
 
-@dataclass(frozen=True, slots=True)
-class RoutingContext:
+class RoutingContext(msgspec.Struct, frozen=True):
     # Eligible workers (never empty), in a stable order.
     candidates: Sequence[WorkerState]
     # Affinity key: a session key, or the start of the prompt; None if the

@@ -64,7 +64,10 @@ class Ledger:
         counts = self._open.get((key, model, day))
         if counts is None:
             counts = self._open[key, model, day] = Counts()
-        counts.add(Counts(1, prompt, completion, cached))
+        counts.requests += 1
+        counts.prompt_tokens += prompt
+        counts.completion_tokens += completion
+        counts.cached_tokens += cached
 
     def today(self) -> str:
         """The UTC date usage is counted under now (``YYYY-MM-DD``)."""

@@ -236,7 +236,7 @@ def _call(pool: Pool, key: KeyEntry | None) -> Call:
     services = SimpleNamespace(
         pool=pool, settings=pool.settings, cache=None, limits=None, ledger=None
     )
-    app = SimpleNamespace(state=SimpleNamespace(services=services))
+    app = SimpleNamespace(services=services)
     scope: dict[str, Any] = {
         "type": "http",
         "method": "POST",

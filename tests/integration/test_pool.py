@@ -684,7 +684,21 @@ def test_several_gateway_processes_share_the_port_and_the_metrics(gateway: Serve
         return await asyncio.gather(*(one(i) for i in range(12)))
 
     assert asyncio.run(burst()) == [200] * 12
-    # Whichever process answers /metrics reports all processes' requests.
+
+    async def all_counted() -> None:
+        async with httpx.AsyncClient(base_url=gateway.base_url, timeout=60) as client:
+            await metric_reaches(
+                client,
+                "llmgate_requests_total",
+                12,
+                model=MODEL,
+                route="/v1/completions",
+                status="200",
+            )
+
+    # Each process writes its counts out within a second (gateway.metrics.flush).
+    asyncio.run(all_counted())
+    # Whichever process answers /metrics reports all processes' requests, no more.
     for _ in range(4):
         assert (
             metric(

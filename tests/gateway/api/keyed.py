@@ -43,7 +43,7 @@ class Keyed:
         batches = SimpleNamespace(
             runner=SimpleNamespace(wake=lambda: None), max_file_bytes=settings.max_file_bytes
         )
-        self.api.state.services = SimpleNamespace(
+        self.api.services = SimpleNamespace(  # type: ignore[assignment]
             settings=settings, store=self.store, batches=batches, keys=self.ring, limits=Limiter()
         )
         self.app = auth.ApiKeyMiddleware(self.api, self.ring)

@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from prometheus_client import REGISTRY
 from starlette.requests import Request
 
-from gateway import schemas, sse
+from gateway import metrics, schemas, sse
 from gateway.api.call import Call
 from gateway.api.http import EventStream
 from gateway.cache import ResponseCache
@@ -48,7 +48,7 @@ def call(pool: Pool, raw: dict[str, Any], cache: ResponseCache | None = None) ->
     services = SimpleNamespace(
         pool=pool, settings=pool.settings, cache=cache, limits=None, ledger=None
     )
-    app = SimpleNamespace(state=SimpleNamespace(services=services))
+    app = SimpleNamespace(services=services)
     scope = {"type": "http", "method": "POST", "path": ROUTE, "headers": [], "app": app}
 
     async def receive() -> dict[str, Any]:
@@ -66,6 +66,7 @@ def serve(pool: Pool, raw: dict[str, Any], cache: ResponseCache | None = None) -
 
 def counted(status: int, model: str = "m") -> float:
     labels = {"model": model, "route": ROUTE, "status": str(status)}
+    metrics.flush()  # the request path's counts are written out in batches
     return REGISTRY.get_sample_value("llmgate_requests_total", labels) or 0.0
 
 

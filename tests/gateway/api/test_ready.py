@@ -20,7 +20,7 @@ async def answer(store: State) -> tuple[int, dict[str, object]]:
     """/ready's status and body with one healthy worker and ``store``."""
     pool = SimpleNamespace(healthy_workers=lambda: ["worker-0"])
     services = SimpleNamespace(pool=pool, store=store)
-    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(services=services)))
+    request = SimpleNamespace(scope={"app": SimpleNamespace(services=services)})
     response = await ready(request)  # type: ignore[arg-type]
     return response.status_code, json.loads(bytes(response.body))
 
