@@ -50,7 +50,7 @@ from gateway.batch.jsonl import ENDPOINTS
 from gateway.context import SCOPE_KEY as CONTEXT
 from gateway.context import RequestContext
 from gateway.state import State, Unavailable
-from gateway.state.batches import STATUSES, Batches, Ending, output_line
+from gateway.state.batches import ACTIVE, STATUSES, Batches, Ending, output_line
 from gateway.state.db import owner_name
 from gateway.state.lines import Claimed, Line
 
@@ -121,6 +121,9 @@ class Runner:
         self._wake = asyncio.Event()
         self._surveyed = 0.0
         self._renewed = 0.0
+        # Whether the store held a job to run or end at the last survey (any
+        # replica's): with none, a look asks the store for nothing more.
+        self._active = True
         self._down = False
         self._task: asyncio.Task[None] | None = None
 
@@ -146,6 +149,7 @@ class Runner:
 
     def wake(self) -> None:
         """A job was created or cancelled in this process: look now, not at the next poll."""
+        self._surveyed = 0.0  # and survey the jobs again
         self._wake.set()
 
     def cap(self) -> int:
@@ -195,6 +199,8 @@ class Runner:
         if now - self._surveyed >= POLL_SECONDS:
             self._surveyed = now
             await self._survey()
+        if not (self._active or self._lines or self.jobs):
+            return
         if self._lines and now - self._renewed >= self.lease_seconds / 3:
             self._renewed = now
             running = list(self._running)
@@ -219,6 +225,11 @@ class Runner:
     async def _survey(self) -> None:
         """Start new jobs, stop lines of cancelled or expired ones, end finished ones."""
         batches = self.batches
+        counts = await asyncio.to_thread(batches.job_counts)
+        self._active = any(counts[status] for status in ACTIVE)
+        if not (self._active or self.jobs):
+            self._count(counts)
+            return  # an idle store: one question a second
         for batch_id in await asyncio.to_thread(batches.start_validated):
             log.info("batch %s: in progress", batch_id)
         if self.jobs:
@@ -231,7 +242,10 @@ class Runner:
                 batches.take, ending.batch_id, self.owner, self.lease_seconds
             ):
                 await self._end(ending)
-        counts = await asyncio.to_thread(batches.job_counts)
+        self._count(await asyncio.to_thread(batches.job_counts))
+
+    @staticmethod
+    def _count(counts: dict[str, int]) -> None:
         for status in STATUSES:
             metrics.child(metrics.BATCH_JOBS, status).set(counts[status])
 
