@@ -8,16 +8,17 @@ the worker's ``Delta`` items (the last one carries ``usage``), or a
 
 Whoever holds the handle reads those items (``async for item in handle``,
 or :meth:`RequestHandle.next`) until the last one, then calls
-:meth:`RequestHandle.close` once done (or gone). The handle owns the
-request's deadline, and says who answered (:class:`Answerer`) without
-handing out the worker itself.
+:meth:`RequestHandle.close` once done (or gone). The handle says who
+answered (:class:`Answerer`) without handing out the worker itself. Once
+the pool finds the request past its deadline it calls
+:meth:`Delivery.expire`, and the reader's next wait raises
+``errors.Timeout``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -78,9 +79,14 @@ class Delivery(Protocol):
         """What the engine has computed for the request (:func:`computed`)."""
         ...
 
+    def expire(self) -> None:
+        """The request's deadline passed: its reader's next wait raises ``errors.Timeout``."""
+        ...
 
-# Put in a request's inbox by its deadline timer: one timer per attempt is
-# cheaper than a timeout scope around every wait for a delta.
+
+# Put in a request's inbox once it is past its deadline (the pool looks for
+# those a few times a second: cheaper than a timer per attempt, or a timeout
+# scope around every wait for a delta).
 _DEADLINE = object()
 
 
@@ -98,6 +104,7 @@ class _Inbox:
         "_items",
         "_waiter",
         "completion_tokens",
+        "expired",
         "finished",
         "prompt_tokens",
         "streaming",
@@ -109,6 +116,7 @@ class _Inbox:
         self._waiter: asyncio.Future[None] | None = None
         self.finished = False
         self.streaming = False
+        self.expired = False
         # What the worker said the engine computed: the prompt and each
         # token as it came, then the whole count (the last delta's usage).
         self.prompt_tokens = 0
@@ -135,6 +143,11 @@ class _Inbox:
         if self.prompt_tokens or self.completion_tokens:
             return protocol.Usage(self.prompt_tokens, self.completion_tokens)
         return None
+
+    def expire(self) -> None:
+        if not self.expired:
+            self.expired = True
+            self.put_nowait(_DEADLINE)
 
     def put_nowait(self, item: object) -> None:
         self._items.append(item)
@@ -164,18 +177,17 @@ class RequestHandle:
     ``async for item in handle`` yields what the worker sent, up to and
     including the last item (the delta with ``usage``, a ``Failed`` or a
     :class:`WorkerLost`); like :meth:`next`, it raises ``errors.Timeout``
-    once the request's deadline has passed. ``close()`` lets go of the
+    once the pool found the request past its deadline. ``close()`` lets go of the
     request, aborting it on the worker if it is still running there; it may
     be called more than once.
     """
 
-    __slots__ = ("_inbox", "_read_last", "_release", "_timer", "answered_by", "request_id")
+    __slots__ = ("_inbox", "_read_last", "_release", "answered_by", "request_id")
 
     def __init__(
         self,
         request_id: str,
         answered_by: Answerer,
-        deadline: float,
         inbox: _Inbox,
         release: Callable[[], None],
     ) -> None:
@@ -185,26 +197,15 @@ class RequestHandle:
         self._inbox = inbox
         self._release: Callable[[], None] | None = release
         self._read_last = False
-        self._timer = (
-            asyncio.get_running_loop().call_later(
-                deadline - time.time(), inbox.put_nowait, _DEADLINE
-            )
-            if deadline
-            else None
-        )
 
     @classmethod
     def open(
-        cls,
-        request_id: str,
-        answered_by: Answerer,
-        deadline: float,
-        release: Callable[[], None],
+        cls, request_id: str, answered_by: Answerer, release: Callable[[], None]
     ) -> tuple[RequestHandle, Delivery]:
         """A handle, and the end the pool delivers to; ``release`` is called
-        once, on the first :meth:`close`. ``deadline``: Unix time (0: none)."""
+        once, on the first :meth:`close`."""
         inbox = _Inbox()
-        return cls(request_id, answered_by, deadline, inbox, release), inbox
+        return cls(request_id, answered_by, inbox, release), inbox
 
     @property
     def finished(self) -> bool:
@@ -248,8 +249,6 @@ class RequestHandle:
         self._inbox.streaming = True
 
     def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
         release, self._release = self._release, None
         if release is not None:
             release()

@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 
 # How many released request ids the pool remembers (see Pool.submit).
 RELEASED_IDS_KEPT = 10_000
+# Seconds between looks for requests past their deadline: a request times out
+# at most this late (``--request-timeout``, ``X-Request-Timeout``).
+DEADLINE_TICK = 0.1
 
 
 @dataclass(eq=False, slots=True)
@@ -58,6 +61,8 @@ class _Attempt:
     low_priority: bool
     # Its API key's id (fair sharing).
     tenant: str | None = None
+    # Unix time it is given up at (0: never).
+    deadline: float = 0.0
     started: float = field(default_factory=time.monotonic)
 
 
@@ -105,6 +110,7 @@ class Pool:
         log.info("gateway id %s", self.gateway_id)
         await self.discovery.resolve()
         self._tasks.append(asyncio.create_task(self.workers.monitor(), name="pool monitor"))
+        self._tasks.append(asyncio.create_task(self._expire_overdue(), name="pool deadlines"))
         if self.discovery.changes:
             self._tasks.append(asyncio.create_task(self.discovery.loop(), name="pool resolve"))
 
@@ -208,9 +214,9 @@ class Pool:
         )
         # A handle releases its request once, however often it is closed.
         release = functools.partial(self._release, request_id)
-        handle, delivery = RequestHandle.open(request_id, answered_by, order.deadline, release)
+        handle, delivery = RequestHandle.open(request_id, answered_by, release)
         self.pending[request_id] = _Attempt(
-            request_id, worker, tier, delivery, low_priority, tenant
+            request_id, worker, tier, delivery, low_priority, tenant, order.deadline
         )
         if not low_priority:
             self.interactive_in_flight += 1
@@ -245,6 +251,17 @@ class Pool:
         computed = attempt.delivery.computed()
         tokens = computed.prompt_tokens + computed.completion_tokens if computed else None
         self.admission.finished(attempt.tier, took, attempt.tenant, tokens)
+
+    def expire_overdue(self, now: float) -> None:
+        """Tell every request past its deadline at ``now`` (Unix time) that it is."""
+        for attempt in self.pending.values():
+            if attempt.deadline and now >= attempt.deadline:
+                attempt.delivery.expire()
+
+    async def _expire_overdue(self) -> None:
+        while True:
+            await asyncio.sleep(DEADLINE_TICK)
+            self.expire_overdue(time.time())
 
     # -- what the workers tell the pool (gateway.workers.WorkerEvents) -------
 

@@ -7,11 +7,13 @@ tokens into the retry's stream.
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from gateway import errors
 from gateway.handle import WorkerLost
 from gateway.pool import Pool
 from gateway.work import WorkOrder
@@ -98,3 +100,24 @@ async def test_two_requests_with_one_client_id_get_two_wire_ids(pool: Pool) -> N
     assert first.request_id == "same" and second.request_id.startswith("same~")
     first.close()
     second.close()
+
+
+async def test_a_request_past_its_deadline_times_out_and_one_before_it_runs_on(
+    pool: Pool,
+) -> None:
+    healthy_worker(pool, "a")
+    soon = await pool.submit(WorkOrder("soon", "completion", "m", {}, deadline=1000.0))
+    later = await pool.submit(WorkOrder("later", "completion", "m", {}, deadline=2000.0))
+    never = await pool.submit(WorkOrder("never", "completion", "m", {}, deadline=0.0))
+    pool.expire_overdue(now=1500.0)
+    with pytest.raises(errors.Timeout):
+        soon.next_nowait()  # the deadline is no item...
+        await asyncio.wait_for(soon.next(), 60)  # ...but ends the wait (60: a guard)
+    for handle in (later, never):
+        assert handle.next_nowait() is None and not handle.finished
+        link = pool.workers.by_address[handle.answered_by.address].link
+        pool.worker_output(link, delta(handle.request_id, " on", usage=True))
+        item = await handle.next()
+        assert isinstance(item, protocol.Delta) and item.text == " on"
+    for handle in (soon, later, never):
+        handle.close()
