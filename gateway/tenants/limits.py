@@ -47,7 +47,6 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from prometheus_client import Counter
-from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import errors
@@ -225,6 +224,12 @@ class Limiter:
     ) -> None:
         self.memory = MemoryLimits(clock)
         self.redis = RedisLimits(url, timeout=timeout) if url else None
+        # What a failed Redis call raises (redis is imported only when used).
+        self._failures: tuple[type[BaseException], ...] = (OSError,)
+        if url:
+            from redis.exceptions import RedisError
+
+            self._failures = (RedisError, OSError)
         self.clock = clock
         self._retry_at = 0.0  # while Redis is down: when to try it again
         self._down = False
@@ -266,7 +271,7 @@ class Limiter:
             try:
                 decision = await self.redis.admit(entry, tokens, lease)
                 self._redis_answered()
-            except (RedisError, OSError) as exc:
+            except self._failures as exc:
                 self._redis_failed("admit", exc)
                 self._orphaned(entry, lease)
             except asyncio.CancelledError:
@@ -304,7 +309,7 @@ class Limiter:
             await self.redis.settle(grant.entry, delta)
             if refund_request:
                 await self.redis.refund_request(grant.entry)
-        except (RedisError, OSError) as exc:
+        except self._failures as exc:
             self._redis_failed("finish", exc)
 
     def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
@@ -328,7 +333,7 @@ class Limiter:
                 continue
             try:
                 await self.redis.release(entry, lease)
-            except (RedisError, OSError):
+            except self._failures:
                 return  # still away: tried again at the next renewal
             del self._orphans[lease]
 
@@ -345,7 +350,7 @@ class Limiter:
                 continue
             try:
                 await self.redis.renew(held)
-            except (RedisError, OSError) as exc:
+            except self._failures as exc:
                 self._redis_failed("renew", exc)
 
     # -- Redis's health ------------------------------------------------------

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import redis.asyncio
-
 from gateway.tenants.windows import (
     CONCURRENT,
     REQUESTS,
@@ -153,6 +151,8 @@ class RedisLimits:
     ) -> None:
         self.url = url
         self.lease_ms = int(lease_seconds * 1000)
+        import redis.asyncio  # here: a gateway without Redis never loads it
+
         self._client = redis.asyncio.Redis.from_url(
             url,
             socket_timeout=timeout,
