@@ -38,7 +38,8 @@ from typing import Any
 
 from shared import protocol, settings
 from shared.logs import setup_logging
-from worker.engine import Engine
+from worker.engine_api import ModelEngine
+from worker.errors import RequestError
 from worker.prepare import PreparedPrompt
 
 log = logging.getLogger(__name__)
@@ -96,8 +97,11 @@ class Gate:
             sock.close(0)
 
 
-class FakeEngine(Engine):
-    """Answers at once, or emits tokens at a fixed interval; no model, no vLLM import."""
+class FakeEngine:
+    """Answers at once, or emits tokens at a fixed interval; no model, no vLLM
+    import: a :class:`worker.engine_api.ModelEngine` of its own."""
+
+    system_fingerprint = ""
 
     def __init__(
         self,
@@ -108,18 +112,27 @@ class FakeEngine(Engine):
         max_model_len: int = 4096,
         gate: Gate | None = None,
     ) -> None:
-        # Engine.__init__ builds an AsyncLLM: deliberately not called. Nor is
-        # start(): a request for vLLM's own server gets the Engine's 503.
         self.served_model_names = served_model_names
         self.tokens = tokens
         self.token_interval = token_interval
         self.gate = gate or Gate(-1)
         self.max_num_seqs = capacity
         self.max_model_len = max_model_len
-        self.scheduling_policy = "fcfs"
         self.running = 0
         self.chat_parser = False
         self.reasoning_parser = False
+
+    async def start(self) -> None:
+        return None
+
+    def engine_priority(self, priority: int) -> int:
+        return 0  # one first-come line, as vLLM's default policy
+
+    def passthrough(
+        self, request_id: str, params: dict[str, Any], model: str = "", priority: int = 0
+    ) -> AsyncIterator[list[protocol.Delta]]:
+        """Refused: there is no vLLM server here (the real engine's answer before its start)."""
+        raise RequestError(503, "the FAKE engine has no vLLM server for this request")
 
     async def prepare(
         self, kind: protocol.RequestKind, params: dict[str, Any]
@@ -231,7 +244,8 @@ def main(argv: list[str] | None = None) -> None:
     namespace = build_parser().parse_args(argv)
     worker_settings = settings.from_namespace(settings.WorkerSettings, namespace)
     setup_logging(namespace.log_level, worker_settings.log_format)
-    engine = FakeEngine(
+    engine: ModelEngine
+    engine = fake = FakeEngine(
         [namespace.served_model_name],
         tokens=namespace.tokens,
         token_interval=namespace.token_interval_ms / 1000,
@@ -240,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     log.warning("FAKE engine: answers %r tokens with no model (a benchmark double)", TOKEN_TEXT)
     try:
-        _run(_serve(WorkerServer(worker_settings, engine), engine.gate, namespace.control))
+        _run(_serve(WorkerServer(worker_settings, engine), fake.gate, namespace.control))
     except KeyboardInterrupt:
         pass
 

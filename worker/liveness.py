@@ -27,7 +27,7 @@ from shared.settings import WorkerSettings
 from shared.ticks import Ticks
 from shared.zmqio import Reader
 from worker.curve import first_in_a_minute
-from worker.engine import Engine
+from worker.engine_api import ModelEngine
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class Liveness:
     def __init__(
         self,
         router: Router,
-        engine: Engine,
+        engine: ModelEngine,
         settings: WorkerSettings,
         worker_id: str,
         incarnation: str,

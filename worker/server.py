@@ -30,7 +30,7 @@ from shared import keys, logs, protocol
 from shared.settings import WorkerSettings
 from shared.zmqio import Reader
 from worker.curve import start_authenticator
-from worker.engine import Engine
+from worker.engine_api import ModelEngine
 from worker.errors import RequestError, classify_engine_error
 from worker.liveness import Gateway, Identity, Liveness, watch_connections
 from worker.metrics_server import start_metrics_server
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 class WorkerServer:
     """The ROUTER loop: each request its own task, its deltas out through the outbox."""
 
-    def __init__(self, settings: WorkerSettings, engine: Engine) -> None:
+    def __init__(self, settings: WorkerSettings, engine: ModelEngine) -> None:
         self.settings = settings
         self.engine = engine
         self.worker_id = settings.worker_id or f"{socket.gethostname()}:{os.getpid()}"

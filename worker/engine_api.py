@@ -1,0 +1,69 @@
+"""What the worker's server asks of an engine: :class:`ModelEngine`.
+
+The worker's ZeroMQ loop (``worker.server``) and its heartbeats
+(``worker.liveness``) talk to this interface only. ``worker.engine.Engine``
+(vLLM's ``AsyncLLM``) implements it, and so does the benchmark and
+fault-injection double ``loadtest.fake_engine.FakeEngine``, without
+inheriting anything of vLLM's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from shared import protocol
+from worker.prepare import PreparedPrompt
+
+
+class ModelEngine(Protocol):
+    # Model names requests may ask for (LoRA adapters included).
+    served_model_names: list[str]
+    # Requests it runs at once (vLLM's ``max_num_seqs``): the gateway's slots.
+    max_num_seqs: int
+    max_model_len: int
+    # What its answers say as ``system_fingerprint``.
+    system_fingerprint: str
+    # Its chats stream as under a vLLM tool or reasoning parser; under a
+    # reasoning parser only vLLM's own server builds them.
+    chat_parser: bool
+    reasoning_parser: bool
+
+    async def start(self) -> None:
+        """Ready what requests need beyond the model (vLLM's server app)."""
+        ...
+
+    def engine_priority(self, priority: int) -> int:
+        """The priority a request the gateway sent with ``priority`` runs at."""
+        ...
+
+    async def prepare(
+        self, kind: protocol.RequestKind, params: dict[str, Any]
+    ) -> list[PreparedPrompt]:
+        """Validate, render and tokenize one request: one entry per prompt;
+        raises ``worker.errors.RequestError`` for what it refuses."""
+        ...
+
+    def run(
+        self,
+        request_id: str,
+        prompts: list[PreparedPrompt],
+        trace: dict[str, str] | None = None,
+        model: str = "",
+        priority: int = 0,
+    ) -> AsyncIterator[list[protocol.Delta]]:
+        """A prepared request's deltas as they come; the last item carries its usage."""
+        ...
+
+    def passthrough(
+        self, request_id: str, params: dict[str, Any], model: str = "", priority: int = 0
+    ) -> AsyncIterator[list[protocol.Delta]]:
+        """A request for a route of vLLM's own server: its body's bytes as raw
+        deltas, then its usage."""
+        ...
+
+    def load(self) -> tuple[int, int, float]:
+        """(running, waiting, KV-cache usage ratio) now, for the heartbeats."""
+        ...
+
+    def shutdown(self) -> None: ...
