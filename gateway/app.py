@@ -16,15 +16,10 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp
 
 from gateway import batch, errors, metrics, openapi, routes, tenants, tracing
-from gateway.api import auth, direct, request_ids
-from gateway.api import health as _health  # noqa: F401  (the endpoints attach themselves)
-from gateway.api import openai as _openai  # noqa: F401
-from gateway.api import tgi as _tgi  # noqa: F401
-from gateway.api import usage as _usage  # noqa: F401
-from gateway.api import vllm_routes as _vllm_routes  # noqa: F401
+from gateway.api import auth, direct, health, openai, request_ids, tgi, usage, vllm_routes
 from gateway.api.request_ids import request_id_of
 from gateway.api.services import ServedApp, Services
-from gateway.batch import api as _batch_api  # noqa: F401
+from gateway.batch import api as batch_api
 from gateway.cache import merge_config, open_cache
 from gateway.models import Models
 from gateway.pool import Pool
@@ -33,6 +28,16 @@ from gateway.state import State
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
+
+# Every route of the table (shared.routes) and the endpoint that answers it.
+ENDPOINTS = routes.wire(
+    health.ENDPOINTS,
+    openai.ENDPOINTS,
+    tgi.ENDPOINTS,
+    vllm_routes.ENDPOINTS,
+    usage.ENDPOINTS,
+    batch_api.ENDPOINTS,
+)
 
 
 def create_app_from_environment() -> ASGIApp:
@@ -65,7 +70,7 @@ def below_keys(api: ServedApp, keys: auth.KeyRing) -> ASGIApp:
     (:mod:`gateway.api.direct`), then FastAPI; with keys, a key's rate-limit
     headers and its grant's end around them (``gateway.tenants``). The batch
     runner sends its lines in here."""
-    app: ASGIApp = direct.DirectRoutes(api)
+    app: ASGIApp = direct.DirectRoutes(api, ENDPOINTS)
     return tenants.LimitScope(app) if len(keys) else app
 
 
@@ -129,7 +134,7 @@ def create_api(settings: GatewaySettings, keys: auth.KeyRing | None = None) -> S
     app = ServedApp(
         title="llmgate", summary="OpenAI-compatible gateway over vLLM workers", lifespan=lifespan
     )
-    routes.declare(app)  # every route of the table (shared.routes)
+    routes.declare(app, ENDPOINTS)  # every route of the table (shared.routes)
     openapi.install(app)
     app.add_exception_handler(errors.GatewayError, _gateway_error)
     app.add_exception_handler(HTTPException, _http_error)

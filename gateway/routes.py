@@ -1,10 +1,11 @@
 """The gateway's side of the route table (``shared.routes``): endpoints, bodies, errors.
 
-Each endpoint attaches itself to its route of the table with
-``@serves(routes.X)`` (``@serves(routes.X, "GET")`` on a route of several
-methods). From the table and those endpoints, this module declares every
-route on the FastAPI app (:func:`declare`), in the table's order, with
-the OpenAPI tag of its kind. The builder routes also drive the fast path in
+Each API module lists its endpoints by route of the table and method (its
+``ENDPOINTS``); the app joins those lists in one place (:func:`wire`,
+called by ``gateway.app``), which fails at start if a method of the table
+has no endpoint or two. This module declares every route on the FastAPI
+app from them (:func:`declare`), in the table's order, with the OpenAPI tag
+of its kind. The builder routes also drive the fast path in
 front of FastAPI (``gateway.api.direct``) and, through the request bodies
 they parse (:data:`BODIES`), the OpenAPI document's request bodies and error
 responses (``gateway.openapi``).
@@ -17,10 +18,10 @@ Starlette's 404/405 included, takes the shape of the route's dialect
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Literal, TypeVar
+from typing import Literal
 
 import msgspec
 from fastapi import FastAPI
@@ -32,7 +33,6 @@ from shared import routes
 from shared.routes import Dialect, Method, Route
 
 Endpoint = Callable[..., Awaitable[Response]]
-E = TypeVar("E", bound=Endpoint)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,48 +65,42 @@ _TAGS: dict[str, str] = {
     "usage": "Usage",
 }
 
-_endpoints: dict[tuple[Route, Method], Endpoint] = {}
+# Each API module's endpoints, by route of the table and method.
+Endpoints = Mapping[tuple[Route, Method], Endpoint]
 
 
-def serves(route: Route, method: Method | None = None) -> Callable[[E], E]:
-    """Decorator: the endpoint answers ``method`` of ``route`` (its only method
-    when omitted)."""
-    if method is None:
-        assert len(route.methods) == 1, f"{route.path} has methods {route.methods}: name one"
-        method = route.methods[0]
-    assert method in route.methods, f"{method} is not a method of {route.path}"
-
-    def attach(endpoint: E) -> E:
-        assert (route, method) not in _endpoints, f"two endpoints serve {method} {route.path}"
-        _endpoints[route, method] = endpoint
-        return endpoint
-
-    return attach
-
-
-def endpoint_of(route: Route, method: Method) -> Endpoint:
-    """The endpoint that answers ``method route``; an error if none attached itself."""
-    found = _endpoints.get((route, method))
-    if found is None:
-        raise LookupError(f"no endpoint serves {method} {route.path}")
-    return found
-
-
-def served(route: Route, method: Method) -> bool:
-    return (route, method) in _endpoints
+def wire(*tables: Endpoints) -> dict[tuple[Route, Method], Endpoint]:
+    """The API modules' endpoint tables as one: every method of every route of
+    the route table, each answered by one endpoint (an error otherwise)."""
+    wired: dict[tuple[Route, Method], Endpoint] = {}
+    for table in tables:
+        for (route, method), endpoint in table.items():
+            assert method in route.methods, f"{method} is not a method of {route.path}"
+            assert (route, method) not in wired, f"two endpoints serve {method} {route.path}"
+            wired[route, method] = endpoint
+    missing = [
+        f"{method} {route.path}"
+        for route in routes.ROUTES
+        for method in route.methods
+        if (route, method) not in wired
+    ]
+    if missing:
+        raise LookupError(f"no endpoint serves {', '.join(missing)}")
+    return wired
 
 
 def tag_of(route: Route) -> str | None:
     return _TAGS.get(route.dialect if route.kind == "builder" else route.kind)
 
 
-def declare(app: FastAPI) -> None:
-    """Every route of the table on ``app``, each method with its endpoint."""
+def declare(app: FastAPI, endpoints: Endpoints) -> None:
+    """Every route of the table on ``app``, each method with its endpoint (:func:`wire`)."""
     for route in routes.ROUTES:
         tag = tag_of(route)
         for method in route.methods:
             tags: list[str | Enum] | None = [tag] if tag else None
-            app.add_api_route(route.path, endpoint_of(route, method), methods=[method], tags=tags)
+            endpoint = endpoints[route, method]
+            app.add_api_route(route.path, endpoint, methods=[method], tags=tags)
 
 
 def dialect_of(path: str) -> Dialect:

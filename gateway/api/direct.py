@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway import errors
 from gateway.api.request_ids import HEADER, assign
-from gateway.routes import DIRECT, Endpoint, endpoint_of, render
+from gateway.routes import DIRECT, Endpoint, Endpoints, render
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +32,10 @@ class DirectRoutes:
     """In front of the FastAPI app: POSTs to the builder routes' paths are served
     here, everything else (lifespan included) goes on to ``api``."""
 
-    def __init__(self, api: FastAPI) -> None:
+    def __init__(self, api: FastAPI, endpoints: Endpoints) -> None:
         self.api = api
         self.endpoints: dict[str, Endpoint] = {
-            route.path: endpoint_of(route, "POST") for route in DIRECT
+            route.path: endpoints[route, "POST"] for route in DIRECT
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

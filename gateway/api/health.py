@@ -8,11 +8,10 @@ from fastapi.responses import Response
 from gateway import metrics
 from gateway.api.services import services_of
 from gateway.jsonresp import json_response
-from gateway.routes import serves
+from gateway.routes import Endpoints
 from shared import routes
 
 
-@serves(routes.HEALTH)
 async def health(request: Request) -> Response:
     """The gateway process is up (it may still have no worker)."""
     pool = services_of(request).pool
@@ -25,14 +24,12 @@ async def health(request: Request) -> Response:
     )
 
 
-@serves(routes.METRICS)
 async def prometheus_metrics() -> Response:
     """Prometheus exposition of the gateway's metrics (all its processes)."""
     body, content_type = metrics.render()
     return Response(body, media_type=content_type)
 
 
-@serves(routes.READY)
 async def ready(request: Request) -> Response:
     """Ready when at least one worker is healthy and the state store's first
     try has ended, and, with a shared ``--state-db``, once the store has
@@ -48,3 +45,11 @@ async def ready(request: Request) -> Response:
     if waiting:
         body["state_store"] = store.problem
     return json_response(body, status=200 if body["ready"] else 503)
+
+
+# What this module answers (gateway.app wires every module's table).
+ENDPOINTS: Endpoints = {
+    (routes.HEALTH, "GET"): health,
+    (routes.METRICS, "GET"): prometheus_metrics,
+    (routes.READY, "GET"): ready,
+}

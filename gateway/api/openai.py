@@ -21,11 +21,10 @@ from gateway.api.services import services_of
 from gateway.context import context_of
 from gateway.jsonresp import json_response
 from gateway.pool import Pool
-from gateway.routes import serves
+from gateway.routes import Endpoints
 from shared import routes
 
 
-@serves(routes.MODELS)
 async def list_models(request: Request) -> Response:
     pool = services_of(request).pool
     await pool.wait_for_worker()
@@ -44,7 +43,6 @@ async def list_models(request: Request) -> Response:
     return json_response({"object": "list", "data": data})
 
 
-@serves(routes.COMPLETIONS)
 async def create_completion(request: Request) -> Response:
     settings = services_of(request).settings
     raw = schemas.decode_body(await read_body(request, settings.max_body_bytes))
@@ -57,7 +55,6 @@ async def create_completion(request: Request) -> Response:
     return await call.serve(lambda limit: _prompt_key(body.prompt, limit))
 
 
-@serves(routes.CHAT)
 async def create_chat_completion(request: Request) -> Response:
     settings = services_of(request).settings
     raw = schemas.decode_body(await read_body(request, settings.max_body_bytes))
@@ -110,3 +107,11 @@ def _messages_key(messages: list[schemas.ChatMessage], limit: int) -> str:
         if message.role not in ("system", "developer"):
             break
     return "\n".join(parts)
+
+
+# What this module answers (gateway.app wires every module's table).
+ENDPOINTS: Endpoints = {
+    (routes.MODELS, "GET"): list_models,
+    (routes.COMPLETIONS, "POST"): create_completion,
+    (routes.CHAT, "POST"): create_chat_completion,
+}

@@ -14,21 +14,18 @@ from gateway import errors, schemas, tgi
 from gateway.api.call import Call
 from gateway.api.http import read_body
 from gateway.api.services import services_of
-from gateway.routes import serves
+from gateway.routes import Endpoints
 from shared import routes
 
 
-@serves(routes.TGI_GENERATE)
 async def generate(request: Request) -> Response:
     return await _serve(request, routes.TGI_GENERATE.path, stream=False)
 
 
-@serves(routes.TGI_GENERATE_STREAM)
 async def generate_stream(request: Request) -> Response:
     return await _serve(request, routes.TGI_GENERATE_STREAM.path, stream=True)
 
 
-@serves(routes.TGI_COMPAT)
 async def compat_generate(request: Request) -> Response:
     return await _serve(request, routes.TGI_COMPAT.path, stream=None)
 
@@ -54,3 +51,11 @@ async def _serve(request: Request, route: str, stream: bool | None) -> Response:
     builder = tgi.TgiBuilder(model, body, completion.get("seed"), as_list=as_list)
     call = Call(request, "completion", route, completion, checked, builder)
     return await call.serve(lambda limit: body.inputs[:limit])
+
+
+# What this module answers (gateway.app wires every module's table).
+ENDPOINTS: Endpoints = {
+    (routes.TGI_GENERATE, "POST"): generate,
+    (routes.TGI_GENERATE_STREAM, "POST"): generate_stream,
+    (routes.TGI_COMPAT, "POST"): compat_generate,
+}

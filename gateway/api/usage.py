@@ -35,7 +35,7 @@ from gateway import errors
 from gateway.api.services import services_of
 from gateway.context import context_of
 from gateway.jsonresp import json_response
-from gateway.routes import serves
+from gateway.routes import Endpoints
 from gateway.state.usage import COUNTS
 from shared import routes
 
@@ -43,7 +43,6 @@ FILTERS = ("key", "model", "start_date", "end_date")
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
 
-@serves(routes.USAGE)
 async def usage(request: Request) -> Response:
     params = request.query_params
     unknown = sorted(set(params) - set(FILTERS))
@@ -108,3 +107,9 @@ def _row(row: dict[str, Any]) -> dict[str, Any]:
 
 def _with_total(counts: dict[str, int]) -> dict[str, int]:
     return {**counts, "total_tokens": counts["prompt_tokens"] + counts["completion_tokens"]}
+
+
+# What this module answers (gateway.app wires every module's table).
+ENDPOINTS: Endpoints = {
+    (routes.USAGE, "GET"): usage,
+}

@@ -28,7 +28,7 @@ from gateway.api.http import read_body
 from gateway.api.services import services_of
 from gateway.context import context_of
 from gateway.jsonresp import json_response
-from gateway.routes import served, serves
+from gateway.routes import Endpoints
 from shared import routes
 
 
@@ -68,22 +68,18 @@ def _poster(path: str) -> Callable[[Request], Awaitable[Response]]:
     return post
 
 
-@serves(routes.VERSION)
 async def version(request: Request) -> Response:
     return await forward(request, routes.VERSION.path, None, "GET")
 
 
-@serves(routes.PING, "GET")
 async def ping(request: Request) -> Response:
     return await forward(request, routes.PING.path, None, "GET")
 
 
-@serves(routes.PING, "POST")
 async def ping_post(request: Request) -> Response:
     return await forward(request, routes.PING.path, None, "POST")
 
 
-@serves(routes.RESPONSES)
 async def create_response(request: Request) -> Response:
     raw = schemas.decode_body(
         await read_body(request, services_of(request).settings.max_body_bytes)
@@ -119,7 +115,6 @@ async def create_response(request: Request) -> Response:
 # besides is only a `background` response, in that worker's process, owned by
 # no key: forwarding would let any key read or cancel it, and the pool would
 # send the request to any worker of the model, not the one that ran it.
-@serves(routes.RESPONSE)
 async def retrieve_response(request: Request, response_id: str) -> Response:
     store = services_of(request).store
     stored = await responses.load(store, response_id, context_of(request.scope).viewer)
@@ -135,7 +130,6 @@ def _headers(response: Response) -> dict[str, str]:
     }
 
 
-@serves(routes.RESPONSE_CANCEL)
 async def cancel_response(request: Request, response_id: str) -> Response:
     store = services_of(request).store
     if await responses.load(store, response_id, context_of(request.scope).viewer) is None:
@@ -145,7 +139,23 @@ async def cancel_response(request: Request, response_id: str) -> Response:
     raise errors.BadRequest("Cannot cancel a synchronous response.", "response_id")
 
 
-# A POST to any other of vLLM's routes: its JSON body goes to vLLM's server as it came.
-for _route in routes.ROUTES:
-    if _route.kind == "vllm" and "POST" in _route.methods and not served(_route, "POST"):
-        serves(_route, "POST")(_poster(_route.path))
+_OWN: Endpoints = {
+    (routes.VERSION, "GET"): version,
+    (routes.PING, "GET"): ping,
+    (routes.PING, "POST"): ping_post,
+    (routes.RESPONSES, "POST"): create_response,
+    (routes.RESPONSE, "GET"): retrieve_response,
+    (routes.RESPONSE_CANCEL, "POST"): cancel_response,
+}
+
+# What this module answers (gateway.app wires every module's table): the
+# routes above, and a POST to any other of vLLM's routes, its JSON body sent
+# to vLLM's server as it came.
+ENDPOINTS: Endpoints = {
+    **_OWN,
+    **{
+        (route, "POST"): _poster(route.path)
+        for route in routes.ROUTES
+        if route.kind == "vllm" and "POST" in route.methods and (route, "POST") not in _OWN
+    },
+}

@@ -31,7 +31,7 @@ from gateway.api.services import services_of
 from gateway.batch import Batches, jsonl
 from gateway.context import context_of
 from gateway.jsonresp import json_response
-from gateway.routes import serves
+from gateway.routes import Endpoints
 from gateway.state.files import UPLOADED
 from gateway.tenants import limits
 from shared import routes
@@ -71,7 +71,6 @@ def _limit(request: Request, bounds: tuple[int, int]) -> int:
 # -- files ----------------------------------------------------------------------
 
 
-@serves(routes.FILES, "POST")
 async def create_file(request: Request) -> Response:
     """Upload a batch input file (multipart: ``file`` and ``purpose``): one of
     its key's requests (``gateway.tenants``), within its quota of stored bytes."""
@@ -157,7 +156,6 @@ def _limited(receive: Receive, limit: int) -> Receive:
     return limited
 
 
-@serves(routes.FILES, "GET")
 async def list_files(request: Request) -> Response:
     store = services_of(request).store
     params = request.query_params
@@ -176,7 +174,6 @@ async def list_files(request: Request) -> Response:
     return _page(data, more)
 
 
-@serves(routes.FILE, "GET")
 async def retrieve_file(request: Request, file_id: str) -> Response:
     store = services_of(request).store
     file = await store.call(store.files.get, file_id, context_of(request.scope).viewer)
@@ -185,7 +182,6 @@ async def retrieve_file(request: Request, file_id: str) -> Response:
     return json_response(file)
 
 
-@serves(routes.FILE_CONTENT)
 async def file_content(request: Request, file_id: str) -> Response:
     store = services_of(request).store
     content = await store.call(store.files.content, file_id, context_of(request.scope).viewer)
@@ -194,7 +190,6 @@ async def file_content(request: Request, file_id: str) -> Response:
     return Response(content, media_type="application/octet-stream")
 
 
-@serves(routes.FILE, "DELETE")
 async def delete_file(request: Request, file_id: str) -> Response:
     store = services_of(request).store
     if not await store.call(store.files.delete, file_id, context_of(request.scope).viewer):
@@ -209,7 +204,6 @@ def _no_file(file_id: str, param: str | None = None) -> errors.NotFound:
 # -- batches ----------------------------------------------------------------------
 
 
-@serves(routes.BATCHES, "POST")
 async def create_batch(request: Request) -> Response:
     batches = _batches(request)
     store = services_of(request).store
@@ -246,7 +240,6 @@ async def create_batch(request: Request) -> Response:
     return json_response(batch)
 
 
-@serves(routes.BATCHES, "GET")
 async def list_batches(request: Request) -> Response:
     store = services_of(request).store
     limit = _limit(request, BATCHES_LIMIT)
@@ -257,7 +250,6 @@ async def list_batches(request: Request) -> Response:
     return _page(data, more)
 
 
-@serves(routes.BATCH)
 async def retrieve_batch(request: Request, batch_id: str) -> Response:
     store = services_of(request).store
     batch = await store.call(store.batches.get, batch_id, context_of(request.scope).viewer)
@@ -266,7 +258,6 @@ async def retrieve_batch(request: Request, batch_id: str) -> Response:
     return json_response(batch)
 
 
-@serves(routes.BATCH_CANCEL)
 async def cancel_batch(request: Request, batch_id: str) -> Response:
     """Cancel a job: its lines in flight are aborted, those not run go to the error file."""
     batches = _batches(request)
@@ -288,3 +279,17 @@ async def cancel_batch(request: Request, batch_id: str) -> Response:
 
 def _no_batch(batch_id: str) -> errors.NotFound:
     return errors.NotFound(f"No such batch: {batch_id!r}.")
+
+
+# What this module answers (gateway.app wires every module's table).
+ENDPOINTS: Endpoints = {
+    (routes.FILES, "POST"): create_file,
+    (routes.FILES, "GET"): list_files,
+    (routes.FILE, "GET"): retrieve_file,
+    (routes.FILE_CONTENT, "GET"): file_content,
+    (routes.FILE, "DELETE"): delete_file,
+    (routes.BATCHES, "POST"): create_batch,
+    (routes.BATCHES, "GET"): list_batches,
+    (routes.BATCH, "GET"): retrieve_batch,
+    (routes.BATCH_CANCEL, "POST"): cancel_batch,
+}

@@ -5,31 +5,33 @@ from __future__ import annotations
 import json
 
 import pytest
+from starlette.responses import Response
 from starlette.testclient import TestClient
 
 from gateway import errors, routes
-from gateway.app import create_app
+from gateway.app import ENDPOINTS, create_app
 from shared import routes as table
 from shared.settings import GatewaySettings
 
 
 def test_every_route_and_method_has_its_endpoint() -> None:
-    import gateway.app  # noqa: F401  (the endpoints attach themselves on import)
-
-    missing = [
-        f"{method} {route.path}"
-        for route in table.ROUTES
-        for method in route.methods
-        if not routes.served(route, method)
-    ]
-    assert not missing
+    wired = set(ENDPOINTS)
+    assert wired == {(route, method) for route in table.ROUTES for method in route.methods}
 
 
-def test_an_endpoint_names_a_method_of_its_route() -> None:
+async def _endpoint() -> Response:
+    return Response()
+
+
+def test_the_app_will_not_wire_a_route_with_no_endpoint_or_with_two() -> None:
+    every = dict(ENDPOINTS)
+    del every[table.HEALTH, "GET"]
+    with pytest.raises(LookupError, match="no endpoint serves GET /health"):
+        routes.wire(every)
+    with pytest.raises(AssertionError, match="two endpoints serve GET /health"):
+        routes.wire(ENDPOINTS, {(table.HEALTH, "GET"): _endpoint})
     with pytest.raises(AssertionError, match="is not a method"):
-        routes.serves(table.HEALTH, "POST")
-    with pytest.raises(AssertionError, match="name one"):
-        routes.serves(table.PING)
+        routes.wire(ENDPOINTS, {(table.HEALTH, "POST"): _endpoint})
 
 
 def test_the_fast_path_serves_the_builder_routes_and_openapi_knows_their_bodies() -> None:
