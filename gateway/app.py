@@ -21,8 +21,8 @@ from gateway.api.request_ids import request_id_of
 from gateway.api.services import ServedApp, Services
 from gateway.batch import api as batch_api
 from gateway.cache import merge_config, open_cache
-from gateway.models import Models
-from gateway.pool import Pool
+from gateway.dispatch.models import Models
+from gateway.dispatch.pool import Pool
 from gateway.routes import render
 from gateway.state import State
 from shared.settings import GatewaySettings

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
         setup_logging(gateway.log_level, gateway.log_format)
     except ValueError as exc:
         settings.refuse(f"llmgate gateway: {exc}")
-    from gateway.policies import POLICY_NAMES
+    from gateway.dispatch.policies import POLICY_NAMES
 
     if gateway.policy not in POLICY_NAMES:
         settings.refuse(f"--policy must be one of {', '.join(POLICY_NAMES)}")

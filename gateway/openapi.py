@@ -1,7 +1,7 @@
 """The OpenAPI document: FastAPI's, plus the request bodies the routes parse themselves.
 
-The API routes read their bodies with msgspec (``gateway.schemas``,
-``gateway.tgi``) rather than through FastAPI's pydantic parameters, so FastAPI
+The API routes read their bodies with msgspec (``gateway.dialects.schemas``,
+``gateway.dialects.tgi``) rather than through FastAPI's pydantic parameters, so FastAPI
 cannot see them. This module writes those same structs, as the builder routes
 name them (``gateway.routes.BODIES``), into the document as JSON Schema
 components, so ``/openapi.json`` describes exactly what the gateway accepts,

@@ -27,8 +27,9 @@ import msgspec
 from fastapi import FastAPI
 from starlette.responses import Response
 
-from gateway import errors, schemas, tgi
-from gateway.jsonresp import json_response
+from gateway import errors
+from gateway.dialects import schemas, tgi
+from gateway.dialects.jsonresp import json_response
 from shared import routes
 from shared.routes import Dialect, Method, Route
 

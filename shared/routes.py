@@ -28,7 +28,7 @@ Method = Literal["GET", "POST", "DELETE"]
 # {"error", "error_type"} (422 for a bad body).
 Dialect = Literal["openai", "tgi"]
 # Who answers it:
-# * builder: the gateway, its response builders (gateway.sse, gateway.tgi)
+# * builder: the gateway, its response builders (gateway.dialects.sse, gateway.dialects.tgi)
 #   over a worker's deltas;
 # * vllm: vLLM's own server code in a worker (worker.vllm_app), forwarded;
 # * models: the gateway, from the models its workers serve and the pools file;

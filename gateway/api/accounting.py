@@ -5,7 +5,7 @@ Every path a request can take (whole, streamed, a cache hit, a client gone, a
 stream cut, a batch line, a request forwarded to vLLM's server) ends in
 :meth:`Accounting.finish`, with the engine's own counts: the usage the
 worker reported, or for a request that ended before it, the prompt and the
-tokens delivered so far (``gateway.handle.RequestHandle.computed``).
+tokens delivered so far (``gateway.dispatch.handle.RequestHandle.computed``).
 """
 
 from __future__ import annotations

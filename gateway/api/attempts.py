@@ -17,12 +17,13 @@ from typing import Any
 
 import msgspec
 
-from gateway import errors, metrics, sse
-from gateway.handle import Answerer, RequestHandle, WorkerLost
-from gateway.models import Target
-from gateway.pool import Pool
+from gateway import errors, metrics
+from gateway.dialects import sse
+from gateway.dispatch.handle import Answerer, RequestHandle, WorkerLost
+from gateway.dispatch.models import Target
+from gateway.dispatch.pool import Pool
+from gateway.dispatch.work import WorkOrder
 from gateway.tracing import RequestSpan
-from gateway.work import WorkOrder
 from shared import protocol
 
 # A request's lines keep the logger they were always written under, wherever

@@ -16,13 +16,14 @@ from typing import Any
 import msgspec
 from fastapi.responses import Response, StreamingResponse
 
-from gateway import metrics, sse
+from gateway import metrics
 from gateway.api.headers import CACHE_HEADER, STREAM_HEADERS, WORKER_HEADER
 from gateway.cache import Entry, ResponseCache, controls, in_scope, key_for
-from gateway.handle import Answerer
-from gateway.jsonresp import JSONAnswer
-from gateway.pool import Pool
-from gateway.workers import WorkerState
+from gateway.dialects import sse
+from gateway.dialects.jsonresp import JSONAnswer
+from gateway.dispatch.handle import Answerer
+from gateway.dispatch.pool import Pool
+from gateway.dispatch.workers import WorkerState
 from shared import protocol, routes
 
 # The routes whose answers are cached (OpenAI's; TGI's are not).

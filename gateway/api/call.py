@@ -5,7 +5,7 @@ answers it from the response cache when it may (``gateway.api.cached``),
 else runs it on a worker (``gateway.api.attempts``: admission, routing and
 retries through the pool) and turns the worker's deltas into a response
 through a builder (``sse`` for OpenAI's shapes, ``tgi`` for TGI's): whole,
-after ``gateway.cascade`` kept or escalated a cascaded answer, or streamed
+after ``gateway.dispatch.cascade`` kept or escalated a cascaded answer, or streamed
 (``gateway.api.streaming``). Who answered goes out in the response's
 headers (``gateway.api.headers``); the request is counted once, by its
 final status (``gateway.api.accounting``).
@@ -36,7 +36,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from gateway import cascade, errors, schemas, sse, tracing
+from gateway import errors, tracing
 from gateway.api.accounting import Accounting
 from gateway.api.attempts import Attempts
 from gateway.api.cached import cache_step
@@ -46,9 +46,11 @@ from gateway.api.request_ids import request_id_of
 from gateway.api.services import services_of
 from gateway.api.streaming import relay
 from gateway.context import context_of
-from gateway.handle import Answerer, RequestHandle
-from gateway.jsonresp import JSONAnswer
-from gateway.models import Target
+from gateway.dialects import schemas, sse
+from gateway.dialects.jsonresp import JSONAnswer
+from gateway.dispatch import cascade
+from gateway.dispatch.handle import Answerer, RequestHandle
+from gateway.dispatch.models import Target
 from gateway.tenants import limits
 from shared import protocol
 
@@ -87,10 +89,10 @@ class Call:
         self.builder.include_usage = self.body.include_usage
         # The response is named by the client's id (a retry's wire id has a suffix).
         self.builder.id = self.builder.id_prefix + self.request_id
-        # Which pools may run it (aliases, auto; gateway.models). Resolved in
+        # Which pools may run it (aliases, auto; gateway.dispatch.models). Resolved in
         # serve(): an auto rule's metrics count only requests that got there.
         self.target: Target | None = None
-        self.cascade_outcome = ""  # accepted or escalated (gateway.cascade)
+        self.cascade_outcome = ""  # accepted or escalated (gateway.dispatch.cascade)
         self.cached = cache_step(services.cache, self.route, self.kind)
         span = tracing.request_span(
             self.request.scope["headers"],

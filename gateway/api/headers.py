@@ -7,7 +7,7 @@ that chose them, the cascade's outcome and what the response cache did.
 
 from __future__ import annotations
 
-from gateway.handle import Answerer
+from gateway.dispatch.handle import Answerer
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

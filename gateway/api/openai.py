@@ -13,14 +13,14 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from gateway import schemas, sse
 from gateway.api import vllm_routes
 from gateway.api.call import Call
 from gateway.api.http import read_body
 from gateway.api.services import services_of
 from gateway.context import context_of
-from gateway.jsonresp import json_response
-from gateway.pool import Pool
+from gateway.dialects import schemas, sse
+from gateway.dialects.jsonresp import json_response
+from gateway.dispatch.pool import Pool
 from gateway.routes import Endpoints
 from shared import routes
 

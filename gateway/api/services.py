@@ -18,7 +18,7 @@ from starlette.requests import Request
 from gateway.api.auth import KeyRing
 from gateway.batch import Batches
 from gateway.cache import ResponseCache
-from gateway.pool import Pool
+from gateway.dispatch.pool import Pool
 from gateway.state import Ledger, State
 from gateway.tenants import Limiter
 from shared.settings import GatewaySettings

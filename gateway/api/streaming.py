@@ -15,9 +15,10 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from gateway import errors, metrics, sse
+from gateway import errors, metrics
 from gateway.api.accounting import Accounting
-from gateway.handle import Item, RequestHandle, WorkerLost
+from gateway.dialects import sse
+from gateway.dispatch.handle import Item, RequestHandle, WorkerLost
 from shared import protocol
 
 # A request's lines keep the logger they were always written under (see

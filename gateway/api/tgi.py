@@ -2,7 +2,7 @@
 
 ``/`` is TGI's compatibility route, the one its Python client posts to: it
 streams when the body says ``"stream": true`` and otherwise answers a
-one-element list. The mapping itself lives in :mod:`gateway.tgi`.
+one-element list. The mapping itself lives in :mod:`gateway.dialects.tgi`.
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway import errors, schemas, tgi
+from gateway import errors
 from gateway.api.call import Call
 from gateway.api.http import read_body
 from gateway.api.services import services_of
+from gateway.dialects import schemas, tgi
 from gateway.routes import Endpoints
 from shared import routes
 

@@ -21,13 +21,14 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from gateway import errors, schemas, sse
+from gateway import errors
 from gateway.api import responses
 from gateway.api.call import Call
 from gateway.api.http import read_body
 from gateway.api.services import services_of
 from gateway.context import context_of
-from gateway.jsonresp import json_response
+from gateway.dialects import schemas, sse
+from gateway.dialects.jsonresp import json_response
 from gateway.routes import Endpoints
 from shared import routes
 

@@ -25,12 +25,13 @@ from fastapi.responses import Response
 from starlette.datastructures import UploadFile
 from starlette.types import Message, Receive
 
-from gateway import errors, schemas
+from gateway import errors
 from gateway.api.http import header, read_body
 from gateway.api.services import services_of
 from gateway.batch import Batches, jsonl
 from gateway.context import context_of
-from gateway.jsonresp import json_response
+from gateway.dialects import schemas
+from gateway.dialects.jsonresp import json_response
 from gateway.routes import Endpoints
 from gateway.state.files import UPLOADED
 from gateway.tenants import limits

@@ -16,7 +16,8 @@ from typing import Any
 
 import msgspec
 
-from gateway import errors, schemas
+from gateway import errors
+from gateway.dialects import schemas
 from gateway.state.lines import Line
 from shared.routes import ROUTES
 

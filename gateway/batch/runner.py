@@ -18,7 +18,7 @@ so does one whose name was given to a new secret: that is another key). So
 it gets everything an interactive request gets (validation,
 model resolution, admission, the response cache, metrics, logs) and the
 answer a client would get. Admission puts it behind every interactive
-request (``gateway.admission``), the worker's engine runs it at a lower
+request (``gateway.dispatch.admission``), the worker's engine runs it at a lower
 priority (``protocol.BATCH_PRIORITY``), and the runner caps its lines in
 flight (``cap``), so interactive requests always find free slots and the
 batch slows them little.

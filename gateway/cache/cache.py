@@ -2,7 +2,7 @@
 
 An entry is the worker's output as it came (the deltas, in order, and the
 usage), not a rendered body: a hit goes through the same response builders
-as a fresh answer (``gateway.sse``), so it comes back whole or as a stream
+as a fresh answer (``gateway.dialects.sse``), so it comes back whole or as a stream
 of the same chunk shapes, whichever the request asks for, with its own id
 and creation time.
 

@@ -12,7 +12,7 @@ grant when the app returns, however the request ended: the slot is given
 back and the tokens settled.
 
 Tokens are counted before the request runs: its prompt (estimated at
-``gateway.models.CHARS_PER_TOKEN`` characters a token, or counted with the
+``gateway.dispatch.models.CHARS_PER_TOKEN`` characters a token, or counted with the
 tokenizer the pools file's ``auto`` rules load: exact counting would cost a
 tokenizer pass per request, and the estimate is settled anyway) plus what
 it may generate: ``max_tokens`` (``max_completion_tokens``,
@@ -51,7 +51,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import errors
 from gateway.context import RequestContext, context_of
-from gateway.models import Target
+from gateway.dispatch.models import Target
 from gateway.tenants.redis_limits import LEASE_SECONDS, TIMEOUT, RedisLimits
 from gateway.tenants.windows import CONCURRENT, TOO_LARGE, Decision, MemoryLimits
 from shared import protocol

@@ -1,4 +1,4 @@
-"""gateway/admission.py on its own: free slots, the queue and its bounds, refusals.
+"""gateway/dispatch/admission.py on its own: free slots, the queue and its bounds, refusals.
 
 Pools and tiers (spill-over) are in test_tiers.py, low priority in
 tests/gateway/batch/test_priority.py; here one pool, as without a config.
@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 
 from gateway import errors
-from gateway.admission import Admission
-from gateway.models import Target, Tier
-from gateway.policies.round_robin import RoundRobin
-from gateway.work import WorkOrder
-from gateway.workers import Workers, WorkerState
+from gateway.dispatch.admission import Admission
+from gateway.dispatch.models import Target, Tier
+from gateway.dispatch.policies.round_robin import RoundRobin
+from gateway.dispatch.work import WorkOrder
+from gateway.dispatch.workers import Workers, WorkerState
 from shared import protocol
 from shared.settings import GatewaySettings
 from tests.gateway.test_liveness import NoEvents

@@ -1,11 +1,12 @@
-"""gateway/cascade.py: when the cheap answer is kept."""
+"""gateway/dispatch/cascade.py: when the cheap answer is kept."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from gateway import cascade, sse
-from gateway.models import Target, Tier
+from gateway.dialects import sse
+from gateway.dispatch import cascade
+from gateway.dispatch.models import Target, Tier
 from shared import protocol
 
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.discovery import parse_addresses, resolve
+from gateway.dispatch.discovery import parse_addresses, resolve
 
 
 def test_addresses_are_split_and_given_a_scheme() -> None:

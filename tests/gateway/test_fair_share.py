@@ -1,6 +1,6 @@
-"""gateway/fair_share.py through admission: which waiting request a freed slot goes to.
+"""gateway/dispatch/fair_share.py through admission: which waiting request a freed slot goes to.
 
-One worker with one slot, as the tests of gateway/admission.py build it; each
+One worker with one slot, as the tests of gateway/dispatch/admission.py build it; each
 request asks for the slot as a key (a tenant), and the test ends the running
 request, with its usage, to free the slot. The order in which requests got
 the slot is the outcome asserted.
@@ -17,14 +17,14 @@ from typing import Any
 import pytest
 from starlette.requests import Request
 
-from gateway import schemas, sse
-from gateway.admission import Admission
 from gateway.api.call import Call
 from gateway.context import context_of
-from gateway.fair_share import DEFAULT_ESTIMATE, FairShare, Tenant
-from gateway.pool import Pool
-from gateway.work import WorkOrder
-from gateway.workers import Workers, WorkerState
+from gateway.dialects import schemas, sse
+from gateway.dispatch.admission import Admission
+from gateway.dispatch.fair_share import DEFAULT_ESTIMATE, FairShare, Tenant
+from gateway.dispatch.pool import Pool
+from gateway.dispatch.work import WorkOrder
+from gateway.dispatch.workers import Workers, WorkerState
 from shared import routes
 from shared.api_keys import KeyEntry
 from shared.settings import GatewaySettings
@@ -229,7 +229,7 @@ def test_a_key_arriving_when_none_is_active_starts_where_the_last_left_off() -> 
     assert share.counter("b") == 700
 
 
-# -- keys to admission (gateway/api/call.py, gateway/pool.py) -------------------
+# -- keys to admission (gateway/api/call.py, gateway/dispatch/pool.py) -------------------
 
 
 def _call(pool: Pool, key: KeyEntry | None) -> Call:

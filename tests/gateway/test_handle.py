@@ -1,4 +1,4 @@
-"""gateway/handle.py: a request's items in order, its deadline, who answered, close once."""
+"""gateway/dispatch/handle.py: a request's items in order, its deadline, who answered, close."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import asyncio
 import pytest
 
 from gateway import errors
-from gateway.handle import Answerer, Delivery, RequestHandle, WorkerLost
-from gateway.models import Models
-from gateway.pool import Pool
-from gateway.work import WorkOrder
+from gateway.dispatch.handle import Answerer, Delivery, RequestHandle, WorkerLost
+from gateway.dispatch.models import Models
+from gateway.dispatch.pool import Pool
+from gateway.dispatch.work import WorkOrder
 from shared import config, protocol
 from shared.settings import GatewaySettings
 from tests.gateway.test_tiers import worker

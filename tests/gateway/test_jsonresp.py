@@ -1,11 +1,11 @@
-"""``gateway.jsonresp``: the JSON encoder and the JSON response every route uses."""
+"""``gateway.dialects.jsonresp``: the JSON encoder and the JSON response every route uses."""
 
 from __future__ import annotations
 
 import msgspec
 
-from gateway import sse
-from gateway.jsonresp import JSON, encode, json_response
+from gateway.dialects import sse
+from gateway.dialects.jsonresp import JSON, encode, json_response
 
 
 def test_a_json_response_carries_the_encoded_value_status_and_headers() -> None:

@@ -1,4 +1,4 @@
-"""gateway/workers.py's monitor: a worker is lost for its silence, and only for its own;
+"""gateway/dispatch/workers.py's monitor: a worker is lost for its silence, and only for its own;
 a silent worker's streams under way, and its requests no other worker could
 take, wait for it up to --stall-timeout.
 
@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-from gateway.handle import RequestHandle, WorkerLost
-from gateway.pool import Pool
-from gateway.work import WorkOrder
-from gateway.workers import Workers, WorkerState
+from gateway.dispatch.handle import RequestHandle, WorkerLost
+from gateway.dispatch.pool import Pool
+from gateway.dispatch.work import WorkOrder
+from gateway.dispatch.workers import Workers, WorkerState
 from shared import protocol
 from shared.settings import GatewaySettings
 from tests.gateway import test_pool as pool_tests
@@ -82,7 +82,7 @@ def workers() -> Iterator[Workers]:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     simulated = Clock()
-    # The modules themselves (gateway.workers uses time.monotonic, asyncio.sleep).
+    # The modules themselves (gateway.dispatch.workers uses time.monotonic, asyncio.sleep).
     monkeypatch.setattr(time, "monotonic", simulated.monotonic)
     monkeypatch.setattr(asyncio, "sleep", simulated.sleep)
     return simulated

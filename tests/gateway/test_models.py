@@ -1,10 +1,10 @@
-"""gateway/models.py: names, aliases, substitutes and auto rules resolve to pools."""
+"""gateway/dispatch/models.py: names, aliases, substitutes and auto rules resolve to pools."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from gateway.models import Models, Tier, prompt_parts
+from gateway.dispatch.models import Models, Tier, prompt_parts
 from shared import config
 
 CONFIG = """\

@@ -7,8 +7,9 @@ from typing import Any
 import jsonschema
 import pytest
 
-from gateway import routes, schemas
+from gateway import routes
 from gateway.app import create_api
+from gateway.dialects import schemas
 from shared import routes as table
 from shared.routes import Route
 from shared.settings import GatewaySettings

@@ -1,4 +1,4 @@
-"""gateway/pool.py: what arrives for a request reaches its handle, and only its own.
+"""gateway/dispatch/pool.py: what arrives for a request reaches its handle, and only its own.
 
 Regression tests for the review of the request lifecycle: a retry used to
 reuse its request id, so a lost worker that came back could push its late
@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from gateway import errors
-from gateway.handle import WorkerLost
-from gateway.pool import Pool
-from gateway.work import WorkOrder
-from gateway.workers import WorkerState
+from gateway.dispatch.handle import WorkerLost
+from gateway.dispatch.pool import Pool
+from gateway.dispatch.work import WorkOrder
+from gateway.dispatch.workers import WorkerState
 from shared import protocol
 from shared.settings import GatewaySettings
 

@@ -7,7 +7,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from gateway import errors, schemas
+from gateway import errors
+from gateway.dialects import schemas
 from shared.settings import GatewaySettings
 
 

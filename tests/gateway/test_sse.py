@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from gateway import sse
+from gateway.dialects import sse
 from shared.protocol import Delta, TokenLogprob, TopLogprob, Usage
 
 

@@ -7,7 +7,8 @@ import json
 import msgspec
 import pytest
 
-from gateway import errors, tgi
+from gateway import errors
+from gateway.dialects import tgi
 from shared import protocol
 
 

@@ -1,4 +1,4 @@
-"""gateway/admission.py with pools and tiers: spill-over to a later tier, never elsewhere."""
+"""gateway/dispatch/admission.py with pools and tiers: spill-over to a later tier, not elsewhere."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from gateway import errors, metrics
-from gateway.models import Models, Tier
-from gateway.pool import Pool
-from gateway.work import WorkOrder
-from gateway.workers import WorkerState
+from gateway.dispatch.models import Models, Tier
+from gateway.dispatch.pool import Pool
+from gateway.dispatch.work import WorkOrder
+from gateway.dispatch.workers import WorkerState
 from shared import config, protocol
 from shared.settings import GatewaySettings
 

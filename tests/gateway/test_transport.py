@@ -12,8 +12,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from gateway.transport import WorkerLink
-from gateway.workers import Workers, WorkerState
+from gateway.dispatch.transport import WorkerLink
+from gateway.dispatch.workers import Workers, WorkerState
 from shared import protocol
 from shared.settings import GatewaySettings
 from tests.conftest import free_port

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from gateway import schemas
 from gateway.api.openai import _reasoning
+from gateway.dialects import schemas
 
 
 @pytest.mark.parametrize(

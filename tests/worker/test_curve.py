@@ -2,7 +2,7 @@
 
 The worker side is the real factory (:func:`worker.server.make_router`),
 authenticator (``worker.curve``) and connection monitor (``worker.liveness``);
-the gateway side is the real :class:`gateway.transport.WorkerLink`.
+the gateway side is the real :class:`gateway.dispatch.transport.WorkerLink`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from gateway import transport
-from gateway.transport import WorkerLink
+from gateway.dispatch import transport
+from gateway.dispatch.transport import WorkerLink
 from shared import keys, protocol
 from shared.settings import GatewaySettings, WorkerSettings
 from tests.conftest import free_port
@@ -202,7 +202,7 @@ async def test_an_unknown_client_key_gets_nothing_and_the_worker_logs_it(
         lambda said: (
             any("ZAP denied" in m for _, m in said)
             and any(
-                n == "gateway.transport" and "refused this gateway's CURVE key" in m
+                n == "gateway.dispatch.transport" and "refused this gateway's CURVE key" in m
                 for n, m in said
             )
         ),
@@ -225,7 +225,7 @@ async def test_a_plaintext_client_gets_nothing(
         return [m for n, m in said if n == "worker.liveness" and "a client failed the" in m]
 
     def gateway_said(said: Said) -> list[str]:
-        return [m for n, m in said if n == "gateway.transport" and "handshake with" in m]
+        return [m for n, m in said if n == "gateway.dispatch.transport" and "handshake with" in m]
 
     said = await logged(caplog, lambda said: bool(worker_said(said) and gateway_said(said)))
     assert len(worker_said(said)) == 1

@@ -14,13 +14,14 @@ import msgspec
 import pytest
 from prometheus_client import REGISTRY
 
-from gateway import errors, sse
+from gateway import errors
 from gateway.api.attempts import Attempts, Retries, retryable
-from gateway.handle import WorkerLost
-from gateway.models import Target, Tier
-from gateway.pool import Pool
+from gateway.dialects import sse
+from gateway.dispatch.handle import WorkerLost
+from gateway.dispatch.models import Target, Tier
+from gateway.dispatch.pool import Pool
+from gateway.dispatch.workers import WorkerState
 from gateway.tracing import NO_SPAN
-from gateway.workers import WorkerState
 from shared import protocol
 from shared.settings import GatewaySettings
 from tests.gateway.test_pool import healthy_worker

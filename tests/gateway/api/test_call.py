@@ -19,14 +19,15 @@ from fastapi.responses import Response
 from prometheus_client import REGISTRY
 from starlette.requests import Request
 
-from gateway import metrics, schemas, sse
+from gateway import metrics
 from gateway.api.call import Call
 from gateway.api.http import EventStream
 from gateway.cache import ResponseCache
 from gateway.cache.memory import MemoryStore
-from gateway.models import Models
-from gateway.pool import Pool
-from gateway.workers import WorkerState
+from gateway.dialects import schemas, sse
+from gateway.dispatch.models import Models
+from gateway.dispatch.pool import Pool
+from gateway.dispatch.workers import WorkerState
 from shared import config, protocol, routes
 from shared.settings import GatewaySettings
 from tests.gateway.api.test_attempts import answer, generated, generates, sent_to

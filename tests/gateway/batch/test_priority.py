@@ -1,4 +1,4 @@
-"""Batch lines on spare capacity only: admission's low priority (gateway/admission.py),
+"""Batch lines on spare capacity only: admission's low priority (gateway/dispatch/admission.py),
 the wire priority (Generate.priority), the worker's mapping and its default policy."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from gateway.pool import Pool
-from gateway.work import WorkOrder
-from gateway.workers import WorkerState
+from gateway.dispatch.pool import Pool
+from gateway.dispatch.work import WorkOrder
+from gateway.dispatch.workers import WorkerState
 from shared import protocol
 from shared.settings import GatewaySettings
 from worker import main as worker_main

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from gateway.policies import RoutingContext, load, make_policy
-from gateway.policies.least_load import LeastLoad
-from gateway.policies.prefix import PrefixAffinity
-from gateway.policies.round_robin import RoundRobin
-from gateway.workers import WorkerState
+from gateway.dispatch.policies import RoutingContext, load, make_policy
+from gateway.dispatch.policies.least_load import LeastLoad
+from gateway.dispatch.policies.prefix import PrefixAffinity
+from gateway.dispatch.policies.round_robin import RoundRobin
+from gateway.dispatch.workers import WorkerState
 
 
 def workers(n: int) -> list[WorkerState]:
@@ -124,7 +124,7 @@ def test_unknown_policy_is_refused() -> None:
 async def test_a_heartbeat_counts_only_other_gateways_requests() -> None:
     # Regression: load used to add the reported waiting count to in_flight,
     # counting this gateway's queued requests twice (and a second late).
-    from gateway.pool import Pool
+    from gateway.dispatch.pool import Pool
     from shared import protocol
     from shared.settings import GatewaySettings
 
@@ -142,7 +142,7 @@ async def test_a_heartbeat_counts_only_other_gateways_requests() -> None:
 
 
 def chat(*turns: tuple[str, str]) -> list[Any]:
-    from gateway.schemas import ChatMessage
+    from gateway.dialects.schemas import ChatMessage
 
     return [ChatMessage(role=role, content=text) for role, text in turns]  # type: ignore[arg-type]
 
@@ -175,7 +175,7 @@ def test_conversations_sharing_a_long_system_prompt_get_different_keys() -> None
 
 def test_content_parts_make_the_same_key_as_text() -> None:
     from gateway.api.openai import _messages_key
-    from gateway.schemas import ChatMessage
+    from gateway.dialects.schemas import ChatMessage
 
     parts = [ChatMessage(role="user", content=[{"type": "text", "text": "Hi there"}])]
     assert _messages_key(parts, 256) == _messages_key(chat(("user", "Hi there")), 256)

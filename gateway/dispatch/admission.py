@@ -12,7 +12,7 @@ has served it (``errors.ModelNotReady``: its pool is starting, or its
 workers are down); only a name nobody declared is a 404. Every 503 for want
 of a worker carries ``Retry-After``.
 
-Pools and tiers (``gateway.models``): a request's target lists the pools it
+Pools and tiers (``gateway.dispatch.models``): a request's target lists the pools it
 may run on, home tier first. It starts on its home pool when that has a free
 slot (and nobody is queued there before it). Otherwise, when the home pool's
 ``spill_after`` is set and the request's expected wait there (requests
@@ -32,7 +32,7 @@ waits for its home pool alone, until its deadline rather than
 ``--queue-timeout``, and does not count against ``--max-queue``: a batch
 never makes an interactive request a 429.
 
-Fair sharing (``gateway.fair_share``, ``--fair-share``): a request carries
+Fair sharing (``gateway.dispatch.fair_share``, ``--fair-share``): a request carries
 its API key's id (its tenant). Among the requests waiting for a pool
 (and, apart, among its low-priority ones), a freed slot goes to the one
 whose key has received the least service lately (a virtual token counter),
@@ -49,12 +49,12 @@ import time
 from collections.abc import Callable, Collection
 
 from gateway import errors, metrics
-from gateway.fair_share import FairQueue, FairShare, Tenant
-from gateway.models import Target, Tier
-from gateway.policies import Policy, RoutingContext
-from gateway.slots import Slots
-from gateway.work import WorkOrder
-from gateway.workers import Workers, WorkerState
+from gateway.dispatch.fair_share import FairQueue, FairShare, Tenant
+from gateway.dispatch.models import Target, Tier
+from gateway.dispatch.policies import Policy, RoutingContext
+from gateway.dispatch.slots import Slots
+from gateway.dispatch.work import WorkOrder
+from gateway.dispatch.workers import Workers, WorkerState
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class _PoolQueue:
     def __init__(self, tier: Tier, share: FairShare) -> None:
         label = tier.label
         self.tier = tier
-        # One future per waiting request, by key (gateway.fair_share).
+        # One future per waiting request, by key (gateway.dispatch.fair_share).
         self.waiters = FairQueue(share)
         # Low-priority requests waiting, woken only when no interactive one is.
         self.low_waiters = FairQueue(share)

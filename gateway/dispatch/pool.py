@@ -1,14 +1,14 @@
 """The pool: this gateway process's one door to the workers.
 
-``Pool.submit`` admits a request (``gateway.admission``: a free slot, or the
+``Pool.submit`` admits a request (``gateway.dispatch.admission``: a free slot, or the
 queue, or a refusal), lets the routing policy pick the worker
-(``gateway.policies``), sends it there (``gateway.transport``) and returns
-the request's :class:`~gateway.handle.RequestHandle`, whose other end (a
-:class:`~gateway.handle.Delivery`) the pool fills with whatever the worker
+(``gateway.dispatch.policies``), sends it there (``gateway.dispatch.transport``) and returns
+the request's :class:`~gateway.dispatch.handle.RequestHandle`, whose other end (a
+:class:`~gateway.dispatch.handle.Delivery`) the pool fills with whatever the worker
 sends for it. The workers themselves, their heartbeats and their liveness
-are ``gateway.workers``, which tells the pool what happens to them
-(:class:`~gateway.workers.WorkerEvents`); where they are is
-``gateway.discovery``; model names and pools, ``gateway.models``.
+are ``gateway.dispatch.workers``, which tells the pool what happens to them
+(:class:`~gateway.dispatch.workers.WorkerEvents`); where they are is
+``gateway.dispatch.discovery``; model names and pools, ``gateway.dispatch.models``.
 
 Callers use the pool's own methods, never its parts.
 """
@@ -28,14 +28,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway import errors, metrics
-from gateway.admission import Admission
-from gateway.discovery import Discovery
-from gateway.handle import Answerer, Delivery, RequestHandle, WorkerLost
-from gateway.models import Models, Target, Tier
-from gateway.policies import Policy, make_policy
-from gateway.transport import WorkerLink
-from gateway.work import WorkOrder
-from gateway.workers import Workers, WorkerState
+from gateway.dispatch.admission import Admission
+from gateway.dispatch.discovery import Discovery
+from gateway.dispatch.handle import Answerer, Delivery, RequestHandle, WorkerLost
+from gateway.dispatch.models import Models, Target, Tier
+from gateway.dispatch.policies import Policy, make_policy
+from gateway.dispatch.transport import WorkerLink
+from gateway.dispatch.work import WorkOrder
+from gateway.dispatch.workers import Workers, WorkerState
 from shared import protocol
 from shared.settings import GatewaySettings
 
@@ -129,7 +129,7 @@ class Pool:
     def resolve(
         self, model: str, raw: dict[str, Any], headers: Iterable[tuple[bytes, bytes]]
     ) -> Target:
-        """The pools a request for ``model`` may run on (``gateway.models``)."""
+        """The pools a request for ``model`` may run on (``gateway.dispatch.models``)."""
         return self.names.resolve(model, raw, headers)
 
     def listing(self, served: list[str]) -> list[dict[str, Any]]:
@@ -263,7 +263,7 @@ class Pool:
             await asyncio.sleep(DEADLINE_TICK)
             self.expire_overdue(time.time())
 
-    # -- what the workers tell the pool (gateway.workers.WorkerEvents) -------
+    # -- what the workers tell the pool (gateway.dispatch.workers.WorkerEvents) -------
 
     def worker_output(self, link: WorkerLink, message: protocol.ToGateway) -> None:
         """Deltas and failures, to the handles of the requests they are for."""

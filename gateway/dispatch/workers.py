@@ -35,7 +35,7 @@ import zmq
 from prometheus_client import Gauge
 
 from gateway import metrics
-from gateway.transport import WorkerLink
+from gateway.dispatch.transport import WorkerLink
 from shared import keys, protocol
 from shared.settings import GatewaySettings
 from shared.ticks import Ticks

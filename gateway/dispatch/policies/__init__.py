@@ -8,13 +8,13 @@ bounded map (the memory of routing stays bounded whatever the traffic):
 
 * ``least-load`` (default): power of two choices over each worker's load:
   its requests in flight from this gateway (exact, current) plus those of
-  other gateways, as of its last heartbeat (``gateway.policies.least_load``);
+  other gateways, as of its last heartbeat (``gateway.dispatch.policies.least_load``);
 * ``prefix``: a session key or the conversation's start stays on the worker
   it was placed on (the least loaded, ties by rendezvous hashing), within a
   load bound (a multiple of the mean, or a few requests over it), so a
   conversation's turns reach the same vLLM prefix cache
-  (``gateway.policies.prefix``);
-* ``round-robin``: in turn (``gateway.policies.round_robin``).
+  (``gateway.dispatch.policies.prefix``);
+* ``round-robin``: in turn (``gateway.dispatch.policies.round_robin``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 
 if TYPE_CHECKING:
-    from gateway.workers import WorkerState
+    from gateway.dispatch.workers import WorkerState
 
 
 class RoutingContext(msgspec.Struct, frozen=True):
@@ -54,9 +54,9 @@ def load(worker: WorkerState) -> int:
 
 
 def make_policy(name: str, load_factor: float, load_slack: int) -> Policy:
-    from gateway.policies.least_load import LeastLoad
-    from gateway.policies.prefix import PrefixAffinity
-    from gateway.policies.round_robin import RoundRobin
+    from gateway.dispatch.policies.least_load import LeastLoad
+    from gateway.dispatch.policies.prefix import PrefixAffinity
+    from gateway.dispatch.policies.round_robin import RoundRobin
 
     if name == "least-load":
         return LeastLoad()

@@ -5,10 +5,10 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
-from gateway.policies import RoutingContext
+from gateway.dispatch.policies import RoutingContext
 
 if TYPE_CHECKING:
-    from gateway.workers import WorkerState
+    from gateway.dispatch.workers import WorkerState
 
 
 class RoundRobin:

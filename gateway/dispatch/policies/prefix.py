@@ -33,11 +33,11 @@ import math
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from gateway.policies import RoutingContext, load
-from gateway.policies.least_load import LeastLoad
+from gateway.dispatch.policies import RoutingContext, load
+from gateway.dispatch.policies.least_load import LeastLoad
 
 if TYPE_CHECKING:
-    from gateway.workers import WorkerState
+    from gateway.dispatch.workers import WorkerState
 
 # About 100 bytes each: a few MiB at most.
 REMEMBERED_KEYS = 65_536

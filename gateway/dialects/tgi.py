@@ -39,9 +39,10 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from gateway import errors, sse
-from gateway.jsonresp import encode
-from gateway.sse import event
+from gateway import errors
+from gateway.dialects import sse
+from gateway.dialects.jsonresp import encode
+from gateway.dialects.sse import event
 from shared import protocol
 
 DEFAULT_MAX_NEW_TOKENS = 100

@@ -3,7 +3,7 @@
 A link only moves messages: it encodes what it is given, and hands every
 decoded message it receives to a callback (read by :class:`shared.zmqio.Reader`
 from the event loop's poller). What the messages mean is the
-pool's business (``gateway.pool``).
+pool's business (``gateway.dispatch.pool``).
 """
 
 from __future__ import annotations

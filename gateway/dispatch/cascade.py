@@ -1,7 +1,7 @@
 """Cascade: keep the cheap model's answer, or ask the expensive one.
 
 For a non-streaming request that ``auto`` sent down its default route
-(``gateway.models``), the cheap model answers first, with token logprobs
+(``gateway.dispatch.models``), the cheap model answers first, with token logprobs
 asked for whether or not the client asked (the response shows them only if
 it did). Its answer is kept when the mean logprob of its tokens, over all
 choices, is at least the config's ``min_mean_logprob`` and, if the request
@@ -21,8 +21,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from gateway import metrics, sse
-from gateway.models import Target
+from gateway import metrics
+from gateway.dialects import sse
+from gateway.dispatch.models import Target
 from shared import protocol
 
 log = logging.getLogger(__name__)

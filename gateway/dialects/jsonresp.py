@@ -3,7 +3,7 @@ response that carries one.
 
 :func:`encode` is msgspec's (several times faster than ``json.dumps``, and
 it encodes msgspec structs as they are); whole responses, error bodies and
-the payloads of server-sent events (``gateway.sse``, which frames them) all
+the payloads of server-sent events (``gateway.dialects.sse``, which frames them) all
 go through it. :func:`json_response` is what a route returns for a JSON
 answer it builds itself; :class:`JSONAnswer` is a whole completion's.
 """

@@ -4,7 +4,7 @@ A request names a served model, an alias of one, or the ``auto`` name
 (``shared.config``). :meth:`Models.resolve` turns that into a
 :class:`Target`: the served model and the pools that may run it, first the
 pools that serve it (by tier), then those the config declares as its
-substitutes. Admission (``gateway.admission``) starts the request on the
+substitutes. Admission (``gateway.dispatch.admission``) starts the request on the
 first tier with a free slot it may use; the later tiers only take it by
 spill-over. Without a config file every name is its own target, served by
 whichever workers say they serve it.
@@ -12,12 +12,12 @@ whichever workers say they serve it.
 A target the config declares (:attr:`Target.declared`: a served model, an
 alias, ``auto``'s choice) that no worker serves yet is a 503 with
 ``Retry-After`` (its pool is starting, or down), not a 404: only a name
-nobody declared, and no worker has ever served, is (``gateway.admission``).
+nobody declared, and no worker has ever served, is (``gateway.dispatch.admission``).
 
 ``auto`` evaluates the config's rules in order, first match wins: prompt
 length in tokens, ``max_tokens``, ``response_format``/``tools`` present,
 request headers; no match takes the default (and, for a non-streaming
-request with a cascade configured, may escalate: ``gateway.cascade``).
+request with a cascade configured, may escalate: ``gateway.dispatch.cascade``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway import metrics
-from gateway.discovery import normalize_address
+from gateway.dispatch.discovery import normalize_address
 from shared import config as pools_config
 
 log = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ class Models:
                 return False
         if rule.max_tokens_over is not None:
             # TGI's routes arrive here as the completions body they run
-            # (gateway.tgi.to_completion): max_new_tokens is max_tokens by now.
+            # (gateway.dialects.tgi.to_completion): max_new_tokens is max_tokens by now.
             asked = raw.get("max_tokens") or raw.get("max_completion_tokens")
             if not isinstance(asked, int) or asked <= rule.max_tokens_over:
                 return False

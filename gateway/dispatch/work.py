@@ -4,7 +4,7 @@ It says what to run (the request's kind and parameters, under its id), where
 it may run (its target: the pools, in tier order), until when, how it is
 routed (the prefix policy's key), and on whose behalf (its API key's id, for
 fair sharing, and whether it goes after interactive work). Admission and the
-pool read it whole (``gateway.pool.Pool.submit``); what changes between a
+pool read it whole (``gateway.dispatch.pool.Pool.submit``); what changes between a
 request's attempts (the workers a retry must avoid) goes beside it.
 
 It and the other values made on every request (``Answerer``, ``Retries``,
@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.models import Target, Tier
+from gateway.dispatch.models import Target, Tier
 from shared import protocol
 
 

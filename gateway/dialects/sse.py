@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from gateway.dialects.jsonresp import encode
 from gateway.errors import GatewayError
-from gateway.jsonresp import encode
 from shared import protocol
 
 DONE = b"data: [DONE]\n\n"

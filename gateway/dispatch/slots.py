@@ -1,6 +1,6 @@
 """Which workers may take a request for a pool's tier now, and how many slots each has.
 
-Admission's view of the workers (``gateway.admission``): a worker runs a
+Admission's view of the workers (``gateway.dispatch.admission``): a worker runs a
 tier's requests when it is healthy, not draining, serves the tier's model
 (and pool) and is not excluded (a retry's earlier workers); its slots are
 the smaller of what it reports (vLLM's ``max_num_seqs``) and
@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from gateway import errors, metrics
-from gateway.models import Target, Tier
-from gateway.workers import Workers, WorkerState
+from gateway.dispatch.models import Target, Tier
+from gateway.dispatch.workers import Workers, WorkerState
 from shared.settings import GatewaySettings
 
 

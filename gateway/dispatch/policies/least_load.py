@@ -10,10 +10,10 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING
 
-from gateway.policies import RoutingContext, load
+from gateway.dispatch.policies import RoutingContext, load
 
 if TYPE_CHECKING:
-    from gateway.workers import WorkerState
+    from gateway.dispatch.workers import WorkerState
 
 
 class LeastLoad:

@@ -1,6 +1,6 @@
 """One attempt of a request on one worker: the API side reads it, the pool's side fills it.
 
-The pool (``gateway.pool``) opens a :class:`RequestHandle` when it sends a
+The pool (``gateway.dispatch.pool``) opens a :class:`RequestHandle` when it sends a
 request to a worker (:meth:`RequestHandle.open`) and keeps the other end, a
 :class:`Delivery`: whatever arrives for the request goes in there, in order:
 the worker's ``Delta`` items (the last one carries ``usage``), or a
