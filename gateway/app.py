@@ -15,27 +15,36 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp
 
-from gateway import batch, errors, metrics, openapi, routes, tenants, tracing
-from gateway.api import auth, direct, health, openai, request_ids, tgi, usage, vllm_routes
+from gateway import batch, endpoints, errors, metrics, openapi, tenants, tracing
+from gateway.api import (
+    auth,
+    direct,
+    health,
+    openai_routes,
+    request_ids,
+    tgi_routes,
+    usage_routes,
+    vllm_routes,
+)
 from gateway.api.request_ids import request_id_of
 from gateway.api.services import ServedApp, Services
 from gateway.batch import api as batch_api
 from gateway.cache import merge_config, open_cache
 from gateway.dispatch.models import Models
 from gateway.dispatch.pool import Pool
-from gateway.routes import render
+from gateway.endpoints import render
 from gateway.state import State
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 
 # Every route of the table (shared.routes) and the endpoint that answers it.
-ENDPOINTS = routes.wire(
+ENDPOINTS = endpoints.wire(
     health.ENDPOINTS,
-    openai.ENDPOINTS,
-    tgi.ENDPOINTS,
+    openai_routes.ENDPOINTS,
+    tgi_routes.ENDPOINTS,
     vllm_routes.ENDPOINTS,
-    usage.ENDPOINTS,
+    usage_routes.ENDPOINTS,
     batch_api.ENDPOINTS,
 )
 
@@ -134,7 +143,7 @@ def create_api(settings: GatewaySettings, keys: auth.KeyRing | None = None) -> S
     app = ServedApp(
         title="llmgate", summary="OpenAI-compatible gateway over vLLM workers", lifespan=lifespan
     )
-    routes.declare(app, ENDPOINTS)  # every route of the table (shared.routes)
+    endpoints.declare(app, ENDPOINTS)  # every route of the table (shared.routes)
     openapi.install(app)
     app.add_exception_handler(errors.GatewayError, _gateway_error)
     app.add_exception_handler(HTTPException, _http_error)

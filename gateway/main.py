@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
 def _check_keys(gateway: settings.GatewaySettings) -> None:
     """Refuse to start on a bad key setting, before uvicorn starts any process."""
     from gateway.api.auth import load_api_keys
-    from shared.keys import gateway_curve
+    from shared.curve_keys import gateway_curve
 
     try:
         api_keys = load_api_keys(gateway)

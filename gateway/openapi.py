@@ -3,7 +3,7 @@
 The API routes read their bodies with msgspec (``gateway.dialects.schemas``,
 ``gateway.dialects.tgi``) rather than through FastAPI's pydantic parameters, so FastAPI
 cannot see them. This module writes those same structs, as the builder routes
-name them (``gateway.routes.BODIES``), into the document as JSON Schema
+name them (``gateway.endpoints.BODIES``), into the document as JSON Schema
 components, so ``/openapi.json`` describes exactly what the gateway accepts,
 and adds the error responses every API route can give, in its dialect.
 """
@@ -16,7 +16,7 @@ import msgspec
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from gateway.routes import BODIES
+from gateway.endpoints import BODIES
 
 REF = "#/components/schemas/{name}"
 

@@ -3,7 +3,7 @@
 Two parts, for sources of 500 and 4,000 characters (``--sizes``):
 
 1. **In process**, as vLLM's xgrammar backend does it: our schema -> EBNF
-   build (``worker.spans``), xgrammar's compile with the embedded model's
+   build (``worker.json_spans``), xgrammar's compile with the embedded model's
    tokenizer (no cache), and the per-token mask time of a matcher walking a
    valid answer.
 2. **Through ``llmgate serve``** (one worker, the embedded model,
@@ -86,7 +86,7 @@ def measure_grammar(size: int, repeats: int) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from shared.embedded import default_model_dir
-    from worker import spans
+    from worker import json_spans
 
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
     info = xgr.TokenizerInfo.from_huggingface(tokenizer)
@@ -97,7 +97,7 @@ def measure_grammar(size: int, repeats: int) -> dict[str, Any]:
     grammar = ""
     for _ in range(repeats):
         started = time.perf_counter()
-        grammar = spans.plan_schema(SCHEMA, source, "response_format").grammar or ""
+        grammar = json_spans.plan_schema(SCHEMA, source, "response_format").grammar or ""
         built = time.perf_counter()
         compiled = compiler.compile_grammar(grammar)
         builds.append(built - started)

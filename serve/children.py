@@ -27,7 +27,7 @@ import psutil
 from shared.redact import redact_url
 from worker import rpc_dir
 
-log = logging.getLogger("llmgate.launcher")
+log = logging.getLogger(__name__)
 
 # What of a child's stderr the launcher keeps for the message that ends serve.
 TAIL_BYTES = 16 * 1024

@@ -41,7 +41,7 @@ from shared import config as pools_config
 from shared import settings
 from shared.redact import redact_url
 
-log = logging.getLogger("llmgate.launcher")
+log = logging.getLogger(__name__)
 
 # The gateway's settings that ``llmgate serve`` takes as flags and hands to
 # its gateway: all but those serve decides itself (its own settings of the

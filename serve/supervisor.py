@@ -31,7 +31,7 @@ import psutil
 from serve.children import Child
 from shared import settings
 
-log = logging.getLogger("llmgate.launcher")
+log = logging.getLogger(__name__)
 
 # Longer than a worker's default drain (30 s), so draining is not cut short.
 STOP_GRACE_SECONDS = 40.0

@@ -16,7 +16,7 @@ SUBCOMMANDS = {
     "convert-model": ("worker.embedded_model", "convert the embedded model (done on demand)"),
     "batch": ("gateway.batch.cli", "run a JSONL file of requests as a batch job (OpenAI's format)"),
     "keys": (
-        "shared.keys",
+        "shared.curve_keys",
         "API keys with limits (add, list, revoke) and CURVE key pairs (generate)",
     ),
 }

@@ -4,7 +4,7 @@ One row per path (Starlette's path syntax, ``{param}`` for a segment): its
 methods, its error dialect, who answers it, and what else it is. Everything
 that needs to know the routes is built from this table:
 
-* the gateway's FastAPI routes and ``/openapi.json`` (``gateway.routes``),
+* the gateway's FastAPI routes and ``/openapi.json`` (``gateway.endpoints``),
   the fast path for the builder routes (``gateway.api.direct``), and the
   dialect of every error a route answers, 404 and 405 included;
 * the paths open without an API key, and those for admin keys only
@@ -33,7 +33,7 @@ Dialect = Literal["openai", "tgi"]
 # * vllm: vLLM's own server code in a worker (worker.vllm_app), forwarded;
 # * models: the gateway, from the models its workers serve and the pools file;
 # * batch: the gateway's Files and Batches API (gateway.batch);
-# * usage: the gateway's usage per API key (gateway.api.usage);
+# * usage: the gateway's usage per API key (gateway.api.usage_routes);
 # * ops: the gateway's health, readiness and metrics, for probes and Prometheus.
 Kind = Literal["builder", "vllm", "models", "batch", "usage", "ops"]
 # Whether a request needs an API key (when keys are configured): always; never

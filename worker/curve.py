@@ -2,7 +2,7 @@
 
 A CURVE socket with no ZAP handler lets every client in, so the
 authenticator starts before the worker's socket binds (``worker.server``).
-The keys themselves (files, ``llmgate keys generate``) are ``shared.keys``.
+The keys themselves (files, ``llmgate keys generate``) are ``shared.curve_keys``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
-from shared import keys
+from shared import curve_keys
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ class GatewayAuthenticator(AsyncioAuthenticator):
     a restart. Its ZAP socket is inproc, written by libzmq only.
     """
 
-    def __init__(self, ctx: zmq.asyncio.Context, curve: keys.CurveServer) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, curve: curve_keys.CurveServer) -> None:
         super().__init__(ctx)
         self._curve = curve
         self._peer = ""
@@ -54,7 +54,9 @@ class GatewayAuthenticator(AsyncioAuthenticator):
         return allowed
 
 
-def start_authenticator(ctx: zmq.asyncio.Context, curve: keys.CurveServer) -> GatewayAuthenticator:
+def start_authenticator(
+    ctx: zmq.asyncio.Context, curve: curve_keys.CurveServer
+) -> GatewayAuthenticator:
     """Start ZAP for ``ctx``; call inside the running loop, before a CURVE socket binds."""
     authenticator = GatewayAuthenticator(ctx, curve)
     authenticator.start()

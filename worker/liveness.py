@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from shared import keys, protocol
+from shared import curve_keys, protocol
 from shared.settings import WorkerSettings
 from shared.ticks import Ticks
 from shared.zmqio import Reader
@@ -230,5 +230,5 @@ async def watch_connections(
         elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             continue
         elif first_in_a_minute(warned, b"handshake"):
-            reason = keys.handshake_failure(event["event"], event["value"])
+            reason = curve_keys.handshake_failure(event["event"], event["value"])
             log.warning("a client failed the handshake: %s", reason)

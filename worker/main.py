@@ -189,7 +189,7 @@ def _check_serve_args(namespace: argparse.Namespace) -> None:
 
 def _check_keys(worker_settings: settings.WorkerSettings) -> None:
     """Refuse a bad CURVE setting now, not after the engine's start."""
-    from shared.keys import KeyFileError, worker_curve
+    from shared.curve_keys import KeyFileError, worker_curve
 
     try:
         worker_curve(worker_settings)

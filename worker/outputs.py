@@ -3,7 +3,7 @@
 The job vLLM's ``OutputProcessor`` does for its front end, in the shape the
 wire needs: each choice's index across the request's prompts, the prompt
 echoed once, token logprobs as vLLM's server reports them, prompted keys
-made plain (``worker.spans.key_prompts``), and the request's usage last.
+made plain (``worker.json_spans.key_prompts``), and the request's usage last.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from shared import protocol
+from worker.json_spans import KeyRewriter
 from worker.prepare import PreparedPrompt
-from worker.spans import KeyRewriter
 
 log = logging.getLogger(__name__)
 

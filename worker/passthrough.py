@@ -1,7 +1,7 @@
 """A request for vLLM's own server (``worker.vllm_app``), with this worker's rules applied.
 
 Before the body reaches vLLM's app, what holds on our path holds here too:
-span extraction (``worker.spans``) and the token limits (``--max-input-tokens``,
+span extraction (``worker.json_spans``) and the token limits (``--max-input-tokens``,
 ``--max-total-tokens``, measured as ``worker.prepare`` measures them). The
 app's bytes go back as ``raw`` deltas as they come; the usage the gateway
 accounts for is read from those bytes, since no ``RequestOutput`` passes here.
@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from shared import protocol, routes
-from worker import sampling, spans
+from worker import json_spans, sampling
 from worker.errors import RequestError
 from worker.prepare import Preparer
 from worker.stream_usage import StreamUsage
@@ -99,7 +99,7 @@ class Passthrough:
         body = params.get("body")
         if kind is None or not isinstance(body, dict):
             return params
-        applied = spans.apply(kind, body)
+        applied = json_spans.apply(kind, body)
         if applied.key_prompts:
             raise RequestError(
                 400,

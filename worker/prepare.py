@@ -2,7 +2,7 @@
 
 The job vLLM's ``InputProcessor`` does for its engine, done with vLLM's own
 parts so a request means the same here as under ``vllm serve``: span
-extraction rewrites the body's schema (``worker.spans``), vLLM's pydantic
+extraction rewrites the body's schema (``worker.json_spans``), vLLM's pydantic
 request types parse it and map it onto ``SamplingParams``
 (``worker.sampling``), and the ``OnlineRenderer`` of vLLM's own app
 (``worker.vllm_app``) applies the chat template and tokenizes. What this
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared import protocol
-from worker import sampling, spans
+from worker import json_spans, sampling
 from worker.errors import RequestError, from_error_response
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class PreparedPrompt:
     prompt_tokens: int
     # The prompt's text, when the response must echo it (completions' ``echo``).
     echo_text: str | None = None
-    # Prompted key -> plain key, when the schema prompts inside keys (worker.spans).
+    # Prompted key -> plain key, when the schema prompts inside keys (worker.json_spans).
     key_prompts: dict[str, str] | None = None
 
 
@@ -68,7 +68,7 @@ class Preparer:
         self, kind: protocol.RequestKind, params: dict[str, Any]
     ) -> list[PreparedPrompt]:
         """Validate, render and tokenize one request: one entry per prompt."""
-        applied = spans.apply(kind, params)
+        applied = json_spans.apply(kind, params)
         if applied.grammar_rules:
             log.info(
                 "span grammar: %d rules, built in %.1f ms",

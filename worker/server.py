@@ -26,7 +26,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from shared import keys, logs, protocol
+from shared import curve_keys, logs, protocol
 from shared.settings import WorkerSettings
 from shared.zmqio import Reader
 from worker.curve import start_authenticator
@@ -46,7 +46,7 @@ class WorkerServer:
         self.engine = engine
         self.worker_id = settings.worker_id or f"{socket.gethostname()}:{os.getpid()}"
         self.ctx = zmq.asyncio.Context()
-        self.curve = keys.worker_curve(settings)
+        self.curve = curve_keys.worker_curve(settings)
         self.sock = make_router(self.ctx, self.curve)
         # Read and written as a plain socket from the loop's poller (shared.zmqio).
         self.raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.sock.underlying)
@@ -68,7 +68,7 @@ class WorkerServer:
         # The authenticator runs before bind: a CURVE socket with no ZAP handler
         # lets every client in.
         authenticator = start_authenticator(self.ctx, self.curve) if self.curve else None
-        monitor = self.sock.get_monitor_socket(keys.HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED)
+        monitor = self.sock.get_monitor_socket(curve_keys.HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED)
         self.sock.bind(self.settings.bind)
         log.info(
             "worker %s bound %s (%s), serving %s",
@@ -298,7 +298,9 @@ class WorkerServer:
             self.reader.after_send()
 
 
-def make_router(ctx: zmq.asyncio.Context, curve: keys.CurveServer | None) -> zmq.asyncio.Socket:
+def make_router(
+    ctx: zmq.asyncio.Context, curve: curve_keys.CurveServer | None
+) -> zmq.asyncio.Socket:
     """The worker's ROUTER, not bound yet: limits on, and CURVE when it has keys."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)

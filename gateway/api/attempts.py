@@ -26,9 +26,7 @@ from gateway.dispatch.work import WorkOrder
 from gateway.tracing import RequestSpan
 from shared import protocol
 
-# A request's lines keep the logger they were always written under, wherever
-# the code that writes them lives: operators (and tests) look for them there.
-log = logging.getLogger("gateway.api.call")
+log = logging.getLogger(__name__)
 
 Failure = WorkerLost | protocol.Failed
 

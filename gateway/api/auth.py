@@ -40,7 +40,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gateway import errors
 from gateway.api.request_ids import with_request_id
 from gateway.context import context_of
-from gateway.routes import render
+from gateway.endpoints import render
 from shared import api_keys, routes
 from shared.api_keys import KeyEntry
 from shared.settings import GatewaySettings

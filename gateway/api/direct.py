@@ -10,7 +10,7 @@ machinery cost about a third of the gateway's CPU per request (py-spy,
 metrics, models, docs, unknown paths, other methods) goes on to FastAPI.
 
 Errors are rendered here exactly as the app's handlers render them: one
-:func:`gateway.routes.render` for both.
+:func:`gateway.endpoints.render` for both.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway import errors
 from gateway.api.request_ids import HEADER, assign
-from gateway.routes import DIRECT, Endpoint, Endpoints, render
+from gateway.endpoints import DIRECT, Endpoint, Endpoints, render
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from fastapi.responses import Response
 from gateway import metrics
 from gateway.api.services import services_of
 from gateway.dialects.jsonresp import json_response
-from gateway.routes import Endpoints
+from gateway.endpoints import Endpoints
 from shared import routes
 
 

@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import errors
 from gateway.context import context_of
-from gateway.routes import DIRECT_PATHS, render
+from gateway.endpoints import DIRECT_PATHS, render
 
 HEADER = b"x-request-id"
 R = TypeVar("R", bound=Response)

@@ -29,7 +29,7 @@ import msgspec
 
 from gateway import errors
 from gateway.state import State
-from gateway.state.responses import IdTaken
+from gateway.state.response_store import IdTaken
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,7 @@ from gateway.dialects import sse
 from gateway.dispatch.handle import Item, RequestHandle, WorkerLost
 from shared import protocol
 
-# A request's lines keep the logger they were always written under (see
-# gateway.api.attempts).
-log = logging.getLogger("gateway.api.call")
+log = logging.getLogger(__name__)
 
 
 async def relay(

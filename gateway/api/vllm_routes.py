@@ -8,7 +8,7 @@ to a worker of the model it names (any worker when it names none), with
 the same queue, retries, disconnect handling and metrics as a completion,
 and forwards the worker's answer as vLLM's server gave it.
 
-Chat and completion requests come here too (``gateway.api.openai``) when
+Chat and completion requests come here too (``gateway.api.openai_routes``) when
 they use a field only vLLM's server answers: tools, prompt logprobs, beam
 search, ... (``schemas.vllm_field``).
 """
@@ -29,7 +29,7 @@ from gateway.api.services import services_of
 from gateway.context import context_of
 from gateway.dialects import schemas, sse
 from gateway.dialects.jsonresp import json_response
-from gateway.routes import Endpoints
+from gateway.endpoints import Endpoints
 from shared import routes
 
 

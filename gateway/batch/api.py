@@ -32,7 +32,7 @@ from gateway.batch import Batches, jsonl
 from gateway.context import context_of
 from gateway.dialects import schemas
 from gateway.dialects.jsonresp import json_response
-from gateway.routes import Endpoints
+from gateway.endpoints import Endpoints
 from gateway.state.files import UPLOADED
 from gateway.tenants import limits
 from shared import routes

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, cast
 import msgspec
 
 from gateway.cache.cache import Entry, ResponseCache, Store
-from gateway.cache.keys import Controls, Scope, controls, in_scope, key_for
+from gateway.cache.cache_key import Controls, Scope, controls, in_scope, key_for
 from gateway.cache.memory import MemoryStore
 from shared.cache_settings import SCOPES
 from shared.redact import redact_url

@@ -21,7 +21,7 @@ from typing import Protocol
 import msgspec
 
 from gateway import metrics
-from gateway.cache.keys import Scope
+from gateway.cache.cache_key import Scope
 from shared import protocol
 
 log = logging.getLogger(__name__)

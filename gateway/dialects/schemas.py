@@ -250,7 +250,7 @@ class VllmRequest(msgspec.Struct, kw_only=True):
 _NATIVE_COMMON = frozenset(_Sampling.__struct_fields__) | {
     "response_format",
     "structured_outputs",
-    "span_source",  # worker.spans
+    "span_source",  # worker.json_spans
 }
 NATIVE_FIELDS = {
     "completion": _NATIVE_COMMON | set(CompletionRequest.__struct_fields__) - {"best_of", "suffix"},

@@ -19,7 +19,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from shared import protocol
-from shared.keys import HANDSHAKE_FAILED, CurveClient, handshake_failure
+from shared.curve_keys import HANDSHAKE_FAILED, CurveClient, handshake_failure
 from shared.zmqio import Reader
 
 log = logging.getLogger(__name__)

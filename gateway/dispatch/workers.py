@@ -36,7 +36,7 @@ from prometheus_client import Gauge
 
 from gateway import metrics
 from gateway.dispatch.transport import WorkerLink
-from shared import keys, protocol
+from shared import curve_keys, protocol
 from shared.settings import GatewaySettings
 from shared.ticks import Ticks
 
@@ -127,7 +127,7 @@ class Workers:
         # Every model a worker has said it serves (metrics label only these).
         self.known_models: set[str] = set()
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._curve = keys.gateway_curve(settings)  # None: plaintext links
+        self._curve = curve_keys.gateway_curve(settings)  # None: plaintext links
         self._events = events
         self._any_healthy = asyncio.Event()
 

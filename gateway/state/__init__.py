@@ -32,7 +32,7 @@ from gateway.state.batches import Batches
 from gateway.state.db import Database, Unavailable
 from gateway.state.files import Files
 from gateway.state.ledger import Ledger
-from gateway.state.responses import Responses
+from gateway.state.response_store import Responses
 from gateway.state.usage import Usage
 from shared.settings import GatewaySettings, resolve_state_dir
 

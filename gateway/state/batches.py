@@ -24,7 +24,7 @@ from sqlalchemy import Connection, Select, func, insert, or_, select, update
 from gateway.state.db import Database
 from gateway.state.files import Files, new_id
 from gateway.state.lines import Line, Lines
-from gateway.state.schema import batches, lines
+from gateway.state.tables import batches, lines
 from gateway.state.usage import batch_usage
 
 # A job the runners still have to take further.

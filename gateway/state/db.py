@@ -33,7 +33,7 @@ import sqlalchemy
 from sqlalchemy import Connection, Engine, event, select
 from sqlalchemy.engine import make_url
 
-from gateway.state.schema import MIGRATIONS, migrations_table
+from gateway.state.tables import MIGRATIONS, migrations_table
 from shared.redact import redact_url
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import Connection, Select, delete, func, insert, select
 
 from gateway.state.db import Database
-from gateway.state.schema import CHUNK_BYTES, file_chunks, files
+from gateway.state.tables import CHUNK_BYTES, file_chunks, files
 
 # The purposes a client uploads a file for (the gateway writes the others:
 # a batch's output and error files).

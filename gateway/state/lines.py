@@ -23,7 +23,7 @@ import msgspec
 from sqlalchemy import and_, or_, select, update
 
 from gateway.state.db import Database
-from gateway.state.schema import batches, lines
+from gateway.state.tables import batches, lines
 
 # Precompute: a job created with this metadata fills the response cache.
 CACHE_METADATA_KEY = "llmgate_cache"

@@ -27,7 +27,7 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from gateway.state.db import Database
-from gateway.state.schema import usage, usage_flushes
+from gateway.state.tables import usage, usage_flushes
 
 # How long a flush's id is kept: far longer than any process keeps trying it.
 FLUSH_IDS_SECONDS = 24 * 3600

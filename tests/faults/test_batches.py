@@ -22,7 +22,7 @@ import pytest
 from sqlalchemy import func, select
 
 from gateway.state.db import Database
-from gateway.state.schema import lines
+from gateway.state.tables import lines
 from tests.conftest import Served, start_gateway, stop_serve
 from tests.faults.held import HOLD_AFTER, HeldWorker, held_worker, running_at
 from tests.integration.postgres_server import PostgresServer

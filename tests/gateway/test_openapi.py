@@ -7,7 +7,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from gateway import routes
+from gateway import endpoints
 from gateway.app import create_api
 from gateway.dialects import schemas
 from shared import routes as table
@@ -26,7 +26,7 @@ def body_schema(document: dict[str, Any], path: str) -> dict[str, Any]:
     return {**ref, "components": document["components"]}
 
 
-BODIES = [(route.path, body.struct) for route, body in routes.BODIES.items()]
+BODIES = [(route.path, body.struct) for route, body in endpoints.BODIES.items()]
 
 
 @pytest.mark.parametrize(("path", "struct"), BODIES)
@@ -76,16 +76,16 @@ def test_error_responses_use_the_routes_error_shape(document: dict[str, Any]) ->
     assert v1["429"]["content"]["application/json"]["schema"]["$ref"].endswith("/OpenAIError")
     generate = document["paths"]["/generate"]["post"]["responses"]
     assert generate["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/TgiError")
-    assert routes.dialect_of("/generate") == "tgi"
+    assert endpoints.dialect_of("/generate") == "tgi"
 
 
-@pytest.mark.parametrize("route", routes.BODIES, ids=lambda route: route.path)
+@pytest.mark.parametrize("route", endpoints.BODIES, ids=lambda route: route.path)
 def test_each_route_documents_how_it_answers(document: dict[str, Any], route: Route) -> None:
-    streams = routes.BODIES[route].streams
+    streams = endpoints.BODIES[route].streams
     ok = document["paths"][route.path]["post"]["responses"]["200"]["content"]
     assert ("text/event-stream" in ok) == (streams != "never")
     assert ("application/json" in ok) == (streams != "always")
-    assert document["paths"][route.path]["post"]["tags"] == [routes.tag_of(route)]
+    assert document["paths"][route.path]["post"]["tags"] == [endpoints.tag_of(route)]
 
 
 def test_the_document_has_every_route_and_method_of_the_table(document: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""gateway/routes.py: the route table's endpoints on the app, and errors in each route's dialect."""
+"""gateway/endpoints.py: the route table's endpoints on the app, errors in each route's dialect."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from starlette.responses import Response
 from starlette.testclient import TestClient
 
-from gateway import errors, routes
+from gateway import endpoints, errors
 from gateway.app import ENDPOINTS, create_app
 from shared import routes as table
 from shared.settings import GatewaySettings
@@ -27,23 +27,23 @@ def test_the_app_will_not_wire_a_route_with_no_endpoint_or_with_two() -> None:
     every = dict(ENDPOINTS)
     del every[table.HEALTH, "GET"]
     with pytest.raises(LookupError, match="no endpoint serves GET /health"):
-        routes.wire(every)
+        endpoints.wire(every)
     with pytest.raises(AssertionError, match="two endpoints serve GET /health"):
-        routes.wire(ENDPOINTS, {(table.HEALTH, "GET"): _endpoint})
+        endpoints.wire(ENDPOINTS, {(table.HEALTH, "GET"): _endpoint})
     with pytest.raises(AssertionError, match="is not a method"):
-        routes.wire(ENDPOINTS, {(table.HEALTH, "POST"): _endpoint})
+        endpoints.wire(ENDPOINTS, {(table.HEALTH, "POST"): _endpoint})
 
 
 def test_the_fast_path_serves_the_builder_routes_and_openapi_knows_their_bodies() -> None:
     builders = [route for route in table.ROUTES if route.kind == "builder"]
-    assert list(routes.DIRECT) == builders
-    assert list(routes.BODIES) == builders
+    assert list(endpoints.DIRECT) == builders
+    assert list(endpoints.BODIES) == builders
     assert all(route.methods == ("POST",) for route in builders)
 
 
-@pytest.mark.parametrize("route", routes.DIRECT, ids=lambda route: route.path)
+@pytest.mark.parametrize("route", endpoints.DIRECT, ids=lambda route: route.path)
 def test_errors_are_rendered_in_the_routes_dialect(route: table.Route) -> None:
-    response = routes.render(errors.BadRequest("no good", "temperature"), route.path)
+    response = endpoints.render(errors.BadRequest("no good", "temperature"), route.path)
     body = json.loads(bytes(response.body))
     if route.dialect == "tgi":
         assert response.status_code == 422
@@ -54,9 +54,9 @@ def test_errors_are_rendered_in_the_routes_dialect(route: table.Route) -> None:
         assert body["error"]["param"] == "temperature"
 
 
-@pytest.mark.parametrize("route", routes.DIRECT, ids=lambda route: route.path)
+@pytest.mark.parametrize("route", endpoints.DIRECT, ids=lambda route: route.path)
 def test_a_model_not_ready_keeps_its_retry_after_in_every_dialect(route: table.Route) -> None:
-    response = routes.render(errors.ModelNotReady.for_model("m", False), route.path)
+    response = endpoints.render(errors.ModelNotReady.for_model("m", False), route.path)
     assert response.status_code == 503
     assert response.headers["retry-after"] == str(errors.NO_WORKER_RETRY_AFTER)
     body = json.loads(bytes(response.body))

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gateway.api.openai import _reasoning
+from gateway.api.openai_routes import _reasoning
 from gateway.dialects import schemas
 
 

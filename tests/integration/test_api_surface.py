@@ -183,7 +183,7 @@ def test_a_prompt_over_max_input_tokens_is_400_naming_the_limit(
     # session's log through `llmgate serve`, which relays each child's output
     # on a thread of its own: in either order, whatever order they were written.
     why = f"400 {info.value.body['message']} [request_id={rid}]"  # type: ignore[index]
-    served.wait_for_log(f"gateway.api.call: the worker failed the request: {why}", 30)
+    served.wait_for_log(f"gateway.api.attempts: the worker failed the request: {why}", 30)
     served.wait_for_log(f"worker.server: request refused: {why}", 30)
 
 

@@ -28,7 +28,7 @@ import pytest
 from sqlalchemy import func, select
 
 from gateway.state.db import Database
-from gateway.state.schema import lines
+from gateway.state.tables import lines
 from tests import prestart
 from tests.conftest import MODEL, ROOT, Served, engine_on_last_core, start_gateway, stop_serve
 from tests.integration.test_pool import metric, wait_for

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import zmq
 
-from shared import keys, protocol
+from shared import curve_keys, protocol
 from tests import prestart
 from tests.conftest import (
     MODEL,
@@ -53,12 +53,12 @@ class KeyFiles:
 
 
 def make_key_files(folder: Path) -> KeyFiles:
-    worker_public, worker_secret = keys.generate(folder / "worker", "worker")
-    gateway_public, gateway_secret = keys.generate(folder / "gateway", "gateway")
+    worker_public, worker_secret = curve_keys.generate(folder / "worker", "worker")
+    gateway_public, gateway_secret = curve_keys.generate(folder / "gateway", "gateway")
     authorized = folder / "authorized"
     authorized.mkdir()
     shutil.copy(gateway_public, authorized)
-    _, stranger_secret = keys.generate(folder / "stranger", "stranger")
+    _, stranger_secret = curve_keys.generate(folder / "stranger", "stranger")
     return KeyFiles(worker_secret, worker_public, gateway_secret, authorized, stranger_secret)
 
 
@@ -182,7 +182,7 @@ def test_a_gateway_with_an_unknown_key_never_becomes_healthy(
     )
     try:
         assert_never_healthy(gateway)
-        stranger_key = keys.load_keypair(key_files.stranger_secret)[0].decode()
+        stranger_key = curve_keys.load_keypair(key_files.stranger_secret)[0].decode()
         worker_log = curve_served.wait_for_log("ZAP denied a client")
         assert stranger_key in worker_log
         gateway.wait_for_log("refused this gateway's CURVE key")
@@ -200,7 +200,7 @@ def test_a_plaintext_gateway_never_becomes_healthy(curve_served: Served, tmp_pat
 
 
 def ping_and_listen(
-    address: str, curve: keys.CurveClient | None, within: float = 3.0, first: bool = False
+    address: str, curve: curve_keys.CurveClient | None, within: float = 3.0, first: bool = False
 ) -> list[protocol.ToGateway]:
     """A raw DEALER: send a Ping, return what the worker sends back within
     ``within`` seconds (``first``: as soon as it has sent one message)."""
@@ -226,11 +226,11 @@ def test_raw_sockets_get_heartbeats_only_with_an_authorized_key(
     curve_served: Served, key_files: KeyFiles
 ) -> None:
     address = curve_served.worker_addresses()
-    worker_public = keys.load_public_key(key_files.worker_public)
+    worker_public = curve_keys.load_public_key(key_files.worker_public)
 
-    def client(secret: Path) -> keys.CurveClient:
-        public, secret_key = keys.load_keypair(secret)
-        return keys.CurveClient(public, secret_key, worker_public)
+    def client(secret: Path) -> curve_keys.CurveClient:
+        public, secret_key = curve_keys.load_keypair(secret)
+        return curve_keys.CurveClient(public, secret_key, worker_public)
 
     # Its answer may take a while on a busy machine; the refusals below wait 3 s.
     answers = ping_and_listen(address, client(key_files.gateway_secret), within=60, first=True)

@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from gateway.state.db import Database
-from gateway.state.schema import MIGRATIONS
+from gateway.state.tables import MIGRATIONS
 from shared.ports import free_port
 from tests.at_once import at_once, raised
 from tests.conftest import MODEL, ROOT, Served, gateway_pair, start_gateway, stop_serve

@@ -61,7 +61,7 @@ def test_a_single_cpu_worker_computes_on_every_core(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     two_cores_no_gpu(monkeypatch)
-    with caplog.at_level("INFO", logger="llmgate.launcher"):
+    with caplog.at_level("INFO", logger="serve"):
         (child,) = plan.plan_workers(ServeSettings(), [])
     # vLLM binds its threads itself, with no core held back for its front end.
     assert "VLLM_CPU_OMP_THREADS_BIND" not in child.env
@@ -126,7 +126,7 @@ def test_a_lone_unpinned_pool_worker_computes_on_every_core(
 ) -> None:
     """The pools' planner gives a CPU worker the same default as ``plan_workers``."""
     two_cores_no_gpu(monkeypatch)
-    with caplog.at_level("INFO", logger="llmgate.launcher"):
+    with caplog.at_level("INFO", logger="serve"):
         (child,) = plan.plan_pool_workers(
             ServeSettings(), config.parse("pools:\n  - {name: only}\n"), []
         )

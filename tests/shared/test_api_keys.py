@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared import api_keys, keys
+from shared import api_keys, curve_keys
 from shared.api_keys import sha256_hex
 
 YAML = """
@@ -73,8 +73,8 @@ def test_add_prints_a_key_once_and_stores_only_its_hash(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "keys.yaml"
-    keys.main(["add", "team-a", "--file", str(path), "--requests-per-minute", "60"])
-    keys.main(["add", "ops", "--file", str(path), "--admin", "--models", "a, b"])
+    curve_keys.main(["add", "team-a", "--file", str(path), "--requests-per-minute", "60"])
+    curve_keys.main(["add", "ops", "--file", str(path), "--admin", "--models", "a, b"])
     first, second = [line for line in capsys.readouterr().out.splitlines() if line]
     assert first.startswith("sk-llmgate-") and first != second
     text = path.read_text()
@@ -82,7 +82,7 @@ def test_add_prints_a_key_once_and_stores_only_its_hash(
     assert (path.stat().st_mode & 0o777) == 0o600
     team, ops = api_keys.load(path)
     assert team.requests_per_minute == 60 and ops.admin and ops.models == ("a", "b")
-    keys.main(["list", "--file", str(path)])
+    curve_keys.main(["list", "--file", str(path)])
     listed = capsys.readouterr().out
     assert "team-a\trpm 60" in listed and "ops\tno limits\ta,b\tinteractive admin" in listed
     assert sha256_hex(first) not in listed
@@ -101,7 +101,7 @@ def test_revoke_removes_a_key_but_never_the_last(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="last key"):
         api_keys.revoke(path, "b")
     with pytest.raises(SystemExit) as exited:
-        keys.main(["revoke", "nobody", "--file", str(path)])
+        curve_keys.main(["revoke", "nobody", "--file", str(path)])
     assert exited.value.code == 2
 
 
@@ -165,5 +165,5 @@ def test_an_id_given_twice_or_unusable_is_refused(text: str, message: str) -> No
 def test_list_shows_each_keys_id(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "keys.yaml"
     key = api_keys.add(path, "team-a")
-    keys.main(["list", "--file", str(path)])
+    curve_keys.main(["list", "--file", str(path)])
     assert f"\tid key_{sha256_hex(key)[:16]}" in capsys.readouterr().out

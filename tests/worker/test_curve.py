@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from gateway.dispatch import transport
 from gateway.dispatch.transport import WorkerLink
-from shared import keys, protocol
+from shared import curve_keys, protocol
 from shared.settings import GatewaySettings, WorkerSettings
 from tests.conftest import free_port
 from tests.waiting import until
@@ -52,24 +52,24 @@ async def logged(caplog: pytest.LogCaptureFixture, found: Callable[[Said], bool]
 
 @dataclass
 class Keys:
-    worker: keys.CurveServer
-    gateway: keys.CurveClient
+    worker: curve_keys.CurveServer
+    gateway: curve_keys.CurveClient
     dir: Path
 
 
 @pytest.fixture
-def curve_keys(tmp_path: Path) -> Keys:
-    worker_public, worker_secret = keys.generate(tmp_path / "worker", "worker")
-    gateway_public, gateway_secret = keys.generate(tmp_path / "gateway", "gateway")
+def keypairs(tmp_path: Path) -> Keys:
+    worker_public, worker_secret = curve_keys.generate(tmp_path / "worker", "worker")
+    gateway_public, gateway_secret = curve_keys.generate(tmp_path / "gateway", "gateway")
     authorized = tmp_path / "authorized"
     authorized.mkdir()
     shutil.copy(gateway_public, authorized)
-    server = keys.worker_curve(
+    server = curve_keys.worker_curve(
         WorkerSettings(
             curve_worker_key_file=str(worker_secret), curve_gateway_keys_dir=str(authorized)
         )
     )
-    client = keys.gateway_curve(
+    client = curve_keys.gateway_curve(
         GatewaySettings(
             curve_gateway_key_file=str(gateway_secret),
             curve_worker_public_key_file=str(worker_public),
@@ -81,7 +81,7 @@ def curve_keys(tmp_path: Path) -> Keys:
 
 def stranger(tmp_path: Path, name: str) -> tuple[bytes, bytes]:
     """A key pair nobody has authorized."""
-    return keys.load_keypair(keys.generate(tmp_path / "strangers", name)[1])
+    return curve_keys.load_keypair(curve_keys.generate(tmp_path / "strangers", name)[1])
 
 
 @dataclass
@@ -100,14 +100,14 @@ class Worker:
 
 
 @pytest.fixture
-async def worker(request: pytest.FixtureRequest, curve_keys: Keys) -> AsyncIterator[Worker]:
+async def worker(request: pytest.FixtureRequest, keypairs: Keys) -> AsyncIterator[Worker]:
     """A CURVE worker socket; ``@pytest.mark.parametrize("worker", [None], indirect=True)``
     for a plaintext one."""
-    curve = getattr(request, "param", curve_keys.worker)
+    curve = getattr(request, "param", keypairs.worker)
     ctx = zmq.asyncio.Context()
     authenticator = start_authenticator(ctx, curve) if curve else None
     router = make_router(ctx, curve)
-    monitor = router.get_monitor_socket(keys.HANDSHAKE_FAILED)
+    monitor = router.get_monitor_socket(curve_keys.HANDSHAKE_FAILED)
     address = f"tcp://127.0.0.1:{free_port()}"
     router.bind(address)
     running = Worker(ctx, router, address)
@@ -131,7 +131,7 @@ class Gateway:
     connected: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-Connect = Callable[[str, "keys.CurveClient | None"], Gateway]
+Connect = Callable[[str, "curve_keys.CurveClient | None"], Gateway]
 
 
 @pytest.fixture
@@ -141,7 +141,7 @@ async def connect() -> AsyncIterator[Connect]:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     opened: list[WorkerLink] = []
 
-    def open_link(address: str, curve: keys.CurveClient | None) -> Gateway:
+    def open_link(address: str, curve: curve_keys.CurveClient | None) -> Gateway:
         ping = protocol.Ping(gateway_id="gw-test", sent_at=1.0)
         gateway: Gateway
 
@@ -170,9 +170,9 @@ async def connect() -> AsyncIterator[Connect]:
 
 
 async def test_a_gateway_with_the_right_keys_talks_to_the_worker(
-    worker: Worker, connect: Connect, curve_keys: Keys
+    worker: Worker, connect: Connect, keypairs: Keys
 ) -> None:
-    gateway = connect(worker.address, curve_keys.gateway)
+    gateway = connect(worker.address, keypairs.gateway)
     frames = await worker.receive(seconds=ARRIVES_WITHIN)
     assert frames is not None, "the worker heard nothing"
     identity, body = frames
@@ -187,12 +187,12 @@ async def test_a_gateway_with_the_right_keys_talks_to_the_worker(
 async def test_an_unknown_client_key_gets_nothing_and_the_worker_logs_it(
     worker: Worker,
     connect: Connect,
-    curve_keys: Keys,
+    keypairs: Keys,
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     public, secret = stranger(tmp_path, "intruder")
-    intruder = keys.CurveClient(public, secret, curve_keys.worker.public_key)
+    intruder = curve_keys.CurveClient(public, secret, keypairs.worker.public_key)
     gateway = connect(worker.address, intruder)
     assert await worker.receive(seconds=NOTHING_FOR) is None
     assert not gateway.connected.is_set()
@@ -244,12 +244,12 @@ async def test_a_raw_plaintext_dealer_gets_nothing(worker: Worker) -> None:
 
 
 async def test_a_gateway_refuses_a_worker_with_another_key(
-    worker: Worker, connect: Connect, curve_keys: Keys, tmp_path: Path
+    worker: Worker, connect: Connect, keypairs: Keys, tmp_path: Path
 ) -> None:
     """The gateway authenticates the worker too: an impostor's key fails the handshake."""
     impostor_public, _ = stranger(tmp_path, "impostor")
-    misled = keys.CurveClient(
-        curve_keys.gateway.public_key, curve_keys.gateway.secret_key, impostor_public
+    misled = curve_keys.CurveClient(
+        keypairs.gateway.public_key, keypairs.gateway.secret_key, impostor_public
     )
     gateway = connect(worker.address, misled)
     assert await worker.receive(seconds=NOTHING_FOR) is None
@@ -258,9 +258,9 @@ async def test_a_gateway_refuses_a_worker_with_another_key(
 
 @pytest.mark.parametrize("worker", [None], indirect=True)
 async def test_a_curve_gateway_does_not_fall_back_to_a_plaintext_worker(
-    worker: Worker, connect: Connect, curve_keys: Keys
+    worker: Worker, connect: Connect, keypairs: Keys
 ) -> None:
-    gateway = connect(worker.address, curve_keys.gateway)
+    gateway = connect(worker.address, keypairs.gateway)
     assert await worker.receive(seconds=NOTHING_FOR) is None
     assert not gateway.connected.is_set()
 
@@ -268,7 +268,7 @@ async def test_a_curve_gateway_does_not_fall_back_to_a_plaintext_worker(
 async def test_a_refused_gateway_gets_in_once_its_key_is_added_without_restarts(
     worker: Worker,
     connect: Connect,
-    curve_keys: Keys,
+    keypairs: Keys,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -276,10 +276,10 @@ async def test_a_refused_gateway_gets_in_once_its_key_is_added_without_restarts(
     refusal (libzmq alone would give up), so neither side needs a restart."""
     monkeypatch.setattr(transport, "REDIAL_AFTER_REFUSAL", 0.5)
     public, secret = stranger(tmp_path, "newcomer")
-    newcomer = keys.CurveClient(public, secret, curve_keys.worker.public_key)
+    newcomer = curve_keys.CurveClient(public, secret, keypairs.worker.public_key)
     gateway = connect(worker.address, newcomer)
     assert await worker.receive(seconds=1.0) is None
-    shutil.copy(tmp_path / "strangers" / "newcomer.key", curve_keys.worker.authorized_dir)
+    shutil.copy(tmp_path / "strangers" / "newcomer.key", keypairs.worker.authorized_dir)
     assert await worker.receive(seconds=ARRIVES_WITHIN) is not None
     assert gateway.connected.is_set()
 

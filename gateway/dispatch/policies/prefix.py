@@ -1,7 +1,7 @@
 """Prefix affinity: a conversation stays on the worker that holds its history.
 
 Requests with the same key (a session key, else the conversation's start:
-``gateway.api.openai``) go to the worker the key was placed on, so vLLM's
+``gateway.api.openai_routes``) go to the worker the key was placed on, so vLLM's
 prefix cache there holds what came before, as long as that worker's load
 stays within ``load_factor`` times the mean (consistent hashing with
 bounded loads, Mirrokni et al. 2018) or within ``slack`` requests of the

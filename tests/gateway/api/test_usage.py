@@ -1,4 +1,4 @@
-"""gateway/api/usage.py with API keys: a key's usage is its id's, shown under its name;
+"""gateway/api/usage_routes.py with API keys: a key's usage is its id's, shown under its name;
 a name revoked and added again starts from nothing; an admin filters by name."""
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from gateway.batch.runner import Runner
 from gateway.context import context_of
 from gateway.state import State
 from gateway.state.batches import Batches
-from gateway.state.schema import batches as batches_table
+from gateway.state.tables import batches as batches_table
 from shared import api_keys
 from shared.settings import SETTINGS_ERROR_STATUS, GatewaySettings
 

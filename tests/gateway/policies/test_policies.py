@@ -148,7 +148,7 @@ def chat(*turns: tuple[str, str]) -> list[Any]:
 
 
 def test_a_conversations_key_is_the_same_at_every_turn() -> None:
-    from gateway.api.openai import _messages_key
+    from gateway.api.openai_routes import _messages_key
 
     system = ("system", "You are a helpful assistant. " * 40)  # longer than the limit
     first = chat(system, ("user", "Tell me about owls."))
@@ -162,7 +162,7 @@ def test_a_conversations_key_is_the_same_at_every_turn() -> None:
 
 
 def test_conversations_sharing_a_long_system_prompt_get_different_keys() -> None:
-    from gateway.api.openai import _messages_key
+    from gateway.api.openai_routes import _messages_key
 
     system = ("system", "You are a helpful assistant. " * 40)
     owls = _messages_key(chat(system, ("user", "Tell me about owls.")), 256)
@@ -174,7 +174,7 @@ def test_conversations_sharing_a_long_system_prompt_get_different_keys() -> None
 
 
 def test_content_parts_make_the_same_key_as_text() -> None:
-    from gateway.api.openai import _messages_key
+    from gateway.api.openai_routes import _messages_key
     from gateway.dialects.schemas import ChatMessage
 
     parts = [ChatMessage(role="user", content=[{"type": "text", "text": "Hi there"}])]

@@ -15,7 +15,7 @@ from gateway.batch import jsonl
 from gateway.state.batches import STATUSES, Batches, Ending, output_line
 from gateway.state.db import Database
 from gateway.state.files import Files
-from gateway.state.schema import lines as lines_table
+from gateway.state.tables import lines as lines_table
 from tests.at_once import at_once, raised
 
 CHAT = "/v1/chat/completions"
@@ -190,7 +190,7 @@ def test_a_job_past_its_window_expires_once_nothing_runs(
 ) -> None:
     batch_id = running(store, 2)
     [claimed] = store.lines.claim("a", 1, 30)
-    from gateway.state.schema import batches as batches_table
+    from gateway.state.tables import batches as batches_table
 
     with database.write() as db:
         db.execute(update(batches_table).values(expires_at=0))

@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import select
 
 from gateway.state.db import Database, Unavailable
-from gateway.state.schema import MIGRATIONS, migrations_table
+from gateway.state.tables import MIGRATIONS, migrations_table
 from tests.at_once import at_once, raised
 from tests.integration.postgres_server import PostgresServer
 

@@ -10,7 +10,7 @@ import pytest
 from gateway.state import files as files_module
 from gateway.state.db import Database
 from gateway.state.files import Files
-from gateway.state.schema import CHUNK_BYTES
+from gateway.state.tables import CHUNK_BYTES
 
 
 def test_a_file_round_trips_in_openai_shape(database: Database) -> None:

@@ -1,4 +1,4 @@
-"""gateway/state/responses.py: stored responses kept for their retention, then deleted."""
+"""gateway/state/response_store.py: stored responses kept for their retention, then deleted."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 import pytest
 
 from gateway.state.db import Database
-from gateway.state.responses import IdTaken, Responses
+from gateway.state.response_store import IdTaken, Responses
 
 
 def test_a_response_is_kept_for_its_retention_then_expires(database: Database) -> None:

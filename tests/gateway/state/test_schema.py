@@ -1,4 +1,4 @@
-"""gateway/state/schema.py: migration 2 (usage, owners) on a store that migration 1 made
+"""gateway/state/tables.py: migration 2 (usage, owners) on a store that migration 1 made
 and that holds files, batches and responses: they stay, owned by no key; migration 3
 (owners are key ids) on a store with usage rows by key name: they stay that name's."""
 
@@ -10,8 +10,8 @@ from sqlalchemy import insert, select, text
 
 from gateway.state.db import Database
 from gateway.state.files import Files
-from gateway.state.responses import Responses
-from gateway.state.schema import MIGRATIONS, batches, files, migrations_table, responses
+from gateway.state.response_store import Responses
+from gateway.state.tables import MIGRATIONS, batches, files, migrations_table, responses
 from gateway.state.usage import Counts, Usage
 
 

@@ -94,7 +94,7 @@ llmgate.io/pool: {{ . | quote }}
 {{/*
 Where the Secret's files are mounted, and the settings that point at them.
 These LLMGATE_* names are GatewaySettings/WorkerSettings fields
-(shared/settings.py; shared/keys.py says who holds which key): keep them in step.
+(shared/settings.py; shared/curve_keys.py says who holds which key): keep them in step.
 */}}
 {{- define "llmgate.secretsDir" -}}/etc/llmgate/secrets{{- end }}
 {{/* Workers accept the gateways whose public keys (*.key) are in this directory. */}}

@@ -35,7 +35,7 @@ from gateway import errors
 from gateway.api.services import services_of
 from gateway.context import context_of
 from gateway.dialects.jsonresp import json_response
-from gateway.routes import Endpoints
+from gateway.endpoints import Endpoints
 from gateway.state.usage import COUNTS
 from shared import routes
 

@@ -18,7 +18,7 @@ from sqlalchemy import delete, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from gateway.state.db import Database
-from gateway.state.schema import responses
+from gateway.state.tables import responses
 
 
 class IdTaken(Exception):

@@ -21,7 +21,7 @@ from gateway.context import context_of
 from gateway.dialects import schemas, sse
 from gateway.dialects.jsonresp import json_response
 from gateway.dispatch.pool import Pool
-from gateway.routes import Endpoints
+from gateway.endpoints import Endpoints
 from shared import routes
 
 

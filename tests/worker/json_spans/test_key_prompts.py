@@ -1,4 +1,4 @@
-"""worker.spans.key_prompts: keys renamed in the schema, and plain again in the text
+"""worker.json_spans.key_prompts: keys renamed in the schema, and plain again in the text
 the client receives, however the stream is split."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from worker.errors import RequestError
-from worker.spans.key_prompts import KeyRewriter
-from worker.spans.request import apply
-from worker.spans.schema import plan_schema
+from worker.json_spans.key_prompts import KeyRewriter
+from worker.json_spans.request import apply
+from worker.json_spans.schema import plan_schema
 
 REPLACEMENTS = {'"birth_date (YYYY-MM-DD)"': '"birth_date"', '"name (first one)"': '"name"'}
 GENERATED = '{"name (first one)": "Ann \\"A\\"", "birth_date (YYYY-MM-DD)": "1990-01-02", "x": ""}'

@@ -15,7 +15,7 @@ from gateway.api.call import Call
 from gateway.api.http import read_body
 from gateway.api.services import services_of
 from gateway.dialects import schemas, tgi
-from gateway.routes import Endpoints
+from gateway.endpoints import Endpoints
 from shared import routes
 
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from worker.errors import RequestError
-from worker.spans.grammar import span_source
-from worker.spans.key_prompts import refuse_logprobs
-from worker.spans.schema import plan_schema, uses_extensions
+from worker.json_spans.grammar import span_source
+from worker.json_spans.key_prompts import refuse_logprobs
+from worker.json_spans.schema import plan_schema, uses_extensions
 
 
 @dataclass

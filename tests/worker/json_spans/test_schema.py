@@ -1,9 +1,9 @@
-"""worker.spans.schema: the walk finds marks wherever a schema may put them."""
+"""worker.json_spans.schema: the walk finds marks wherever a schema may put them."""
 
 from __future__ import annotations
 
-from tests.worker.spans.test_grammar import accepts
-from worker.spans.schema import plan_schema
+from tests.worker.json_spans.test_grammar import accepts
+from worker.json_spans.schema import plan_schema
 
 
 def test_spans_compose_with_refs_and_any_of() -> None:

@@ -6,7 +6,7 @@ completion, or an explicit ``span_source``). This is enforced while
 decoding, not checked afterwards: the rest of the schema is turned into EBNF
 by xgrammar's own JSON-schema converter, each marked leaf having first been
 swapped for a ``const`` marker; the marker's literal in xgrammar's output is
-then replaced by the span rule (``worker.spans.automaton``), and vLLM's
+then replaced by the span rule (``worker.json_spans.automaton``), and vLLM's
 structured output backend masks every token that would leave it.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from worker.errors import RequestError
-from worker.spans.automaton import SEPARATOR, ebnf_literal, span_rules
+from worker.json_spans.automaton import SEPARATOR, ebnf_literal, span_rules
 
 # What a marked leaf may still say besides its type (and a description).
 _SPAN_KEYWORDS = frozenset(

@@ -1,8 +1,8 @@
 """One walk over a JSON schema for both marks: ``x-span`` leaves and ``x-key-prompt`` keys.
 
 The walk copies the schema, swapping each span leaf for a marker
-(``worker.spans.grammar``) and renaming each prompted key
-(``worker.spans.key_prompts``, ``required`` included); what it found decides
+(``worker.json_spans.grammar``) and renaming each prompted key
+(``worker.json_spans.key_prompts``, ``required`` included); what it found decides
 what vLLM runs: a grammar when a leaf is a span, else the renamed schema.
 """
 
@@ -12,8 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from worker.spans.grammar import SpanLeaves
-from worker.spans.key_prompts import prompted_key, without_key_prompt
+from worker.json_spans.grammar import SpanLeaves
+from worker.json_spans.key_prompts import prompted_key, without_key_prompt
 
 
 @dataclass

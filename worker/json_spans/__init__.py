@@ -14,8 +14,8 @@ in a request body and puts back what vLLM runs (:func:`apply`).
 
 from __future__ import annotations
 
-from worker.spans.key_prompts import KeyRewriter
-from worker.spans.request import Applied, apply
-from worker.spans.schema import SpanPlan, plan_schema
+from worker.json_spans.key_prompts import KeyRewriter
+from worker.json_spans.request import Applied, apply
+from worker.json_spans.schema import SpanPlan, plan_schema
 
 __all__ = ["Applied", "KeyRewriter", "SpanPlan", "apply", "plan_schema"]

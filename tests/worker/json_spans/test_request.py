@@ -1,4 +1,4 @@
-"""worker.spans.request: a request body's schema in, what vLLM runs out."""
+"""worker.json_spans.request: a request body's schema in, what vLLM runs out."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from tests.worker.spans.test_grammar import SCHEMA, SOURCE
+from tests.worker.json_spans.test_grammar import SCHEMA, SOURCE
 from worker.errors import RequestError
-from worker.spans.request import apply
+from worker.json_spans.request import apply
 
 
 def test_apply_turns_response_format_into_a_grammar() -> None:

@@ -1,4 +1,4 @@
-"""worker.spans.grammar: x-span leaves become span rules; the source they are taken from."""
+"""worker.json_spans.grammar: x-span leaves become span rules; the source they are taken from."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string
 
 from worker.errors import RequestError
-from worker.spans.grammar import span_source
-from worker.spans.request import apply
-from worker.spans.schema import plan_schema
+from worker.json_spans.grammar import span_source
+from worker.json_spans.request import apply
+from worker.json_spans.schema import plan_schema
 
 SOURCE = 'Dr. Émile "Mile" Zola\nwrote C:\\tmp on 1902-09-29, paid €12.50.\tEnd\x01.'
 SCHEMA = {

@@ -1,10 +1,10 @@
-"""worker.spans.automaton: the suffix automaton accepts exactly the source's substrings."""
+"""worker.json_spans.automaton: the suffix automaton accepts exactly the source's substrings."""
 
 from __future__ import annotations
 
 import random
 
-from worker.spans.automaton import SuffixAutomaton
+from worker.json_spans.automaton import SuffixAutomaton
 
 
 def test_suffix_automaton_accepts_exactly_the_substrings() -> None:
