@@ -17,7 +17,7 @@ run: install
 	$(VENV)/bin/llmgate serve $(ARGS)
 
 # The cache tests start a real Redis, the state store's tests a real PostgreSQL
-# (tests/integration/postgres_server.py runs the server binaries, which are off
+# (tests/harness/postgres_server.py runs the server binaries, which are off
 # the PATH), and the overhead harness's test runs wrk: Debian's redis-server,
 # postgresql and wrk, installed when missing.
 POSTGRES_SERVER := '/usr/lib/postgresql/*/bin/postgres'

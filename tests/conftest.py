@@ -6,7 +6,7 @@ for a ~30 s start). It is started on free loopback ports as soon as the
 tests are collected, when one of them will use it (so it starts while the
 tests that need none run), and stopped at the end of the session. Modules
 with engines of their own get them started one module ahead
-(tests/prestart.py).
+(tests/harness/prestart.py).
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ import httpx
 import pytest
 
 from shared.ports import free_port, free_port_range
-from tests import prestart
-from tests.cpu_heartbeats import CpuHeartbeats
-from tests.integration.postgres_server import PostgresServer
-from tests.integration.redis_server import RedisServer
-from tests.stall_watch import LoopWatch, StallWatch, report, watched_policy
+from tests.harness import prestart
+from tests.harness.cpu_heartbeats import CpuHeartbeats
+from tests.harness.postgres_server import PostgresServer
+from tests.harness.redis_server import RedisServer
+from tests.harness.stall_watch import LoopWatch, StallWatch, report, watched_policy
 
 MODEL = "smollm2-135m-instruct"
 # A failure bound, not an expectation: a CPU engine is ready in 30-60 s on an
@@ -244,7 +244,7 @@ _early_serve: list[Served] = []
 
 # Modules moved in the run order: the two-worker system (two engines, the
 # slowest to start) comes up while the module with a system before it runs
-# (tests/prestart.py). In name order that is the tracing module, about 35 s,
+# (tests/harness/prestart.py). In name order that is the tracing module, about 35 s,
 # and the two-worker tests waited 22 s for their system; after the parity
 # module (about 3 minutes) it is ready when they start.
 _RUN_AFTER = {"test_two_workers.py": "test_parity.py"}
@@ -255,7 +255,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--no-prestart",
         action="store_true",
         help="start each module's own system when the module does, not one module ahead "
-        "(tests/prestart.py)",
+        "(tests/harness/prestart.py)",
     )
 
 
@@ -275,7 +275,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     session_system = any("served" in getattr(i, "fixturenames", ()) for i in session.items)
     if session_system:
         _early_serve.append(launch_session_serve(factory.mktemp("serve")))
-    # The systems of single modules, one ahead (tests/prestart.py); the first
+    # The systems of single modules, one ahead (tests/harness/prestart.py); the first
     # once the session's is ready.
     ahead = not session.config.getoption("no_prestart")
     prestart.plan(session.items, factory, start_first=not session_system, ahead=ahead)
@@ -296,7 +296,7 @@ def stop_later(served: Served) -> None:
 
 
 def launched_ahead(running: Served, value: object = None) -> prestart.Launched:
-    """``running`` started for tests/prestart.py (or ``value``, which holds it),
+    """``running`` started for tests/harness/prestart.py (or ``value``, which holds it),
     stopped with ``stop_serve`` if no test takes it."""
     return prestart.Launched(running if value is None else value, lambda: stop_serve(running))
 
@@ -368,7 +368,7 @@ def gateway_pair(
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    """One real Redis for the session (Debian's, tests/integration/redis_server.py),
+    """One real Redis for the session (Debian's, tests/harness/redis_server.py),
     started the first time a test asks for it; the cache's outage test stops and
     starts it again."""
     server = RedisServer(tmp_path_factory.mktemp("redis"))
@@ -381,7 +381,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 @pytest.fixture(scope="session")
 def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresServer]:
-    """One real PostgreSQL for the session (Debian's, tests/integration/postgres_server.py),
+    """One real PostgreSQL for the session (Debian's, tests/harness/postgres_server.py),
     started the first time a test asks for it; each test takes a database of its
     own with ``postgres_server.create_database(name)``."""
     server = PostgresServer(tmp_path_factory.mktemp("postgres"))
@@ -394,16 +394,16 @@ def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Postgr
 
 # A stall of the test process is told with what each core did meanwhile: a
 # core nobody else got (one task kept it, or its host did not run it) or
-# cores shared as usual (tests/cpu_heartbeats.py).
+# cores shared as usual (tests/harness/cpu_heartbeats.py).
 _watch = StallWatch(CpuHeartbeats())
-# Every event loop the tests run ticks for this watch (tests/stall_watch.py).
+# Every event loop the tests run ticks for this watch (tests/harness/stall_watch.py).
 _loops = LoopWatch(_watch)
 asyncio.set_event_loop_policy(watched_policy(_loops))
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
-    """A failed test's report says what the machine did meanwhile (tests/stall_watch.py)."""
+    """A failed test's report says what the machine did meanwhile (tests/harness/stall_watch.py)."""
     outcome = yield
     result = outcome.get_result()
     if result.failed:

@@ -25,7 +25,8 @@ from gateway.state.db import Database
 from gateway.state.tables import lines
 from tests.conftest import Served, start_gateway, stop_serve
 from tests.faults.held import HOLD_AFTER, HeldWorker, held_worker, running_at
-from tests.integration.postgres_server import PostgresServer
+from tests.harness.postgres_server import PostgresServer
+from tests.harness.waiting import wait_until
 from tests.integration.test_batches import (
     SHORT_LEASE,
     client_of,
@@ -38,7 +39,6 @@ from tests.integration.test_batches import (
 from tests.integration.test_batches import (
     wait_until as wait_for_batch,
 )
-from tests.waiting import wait_until
 
 TOTAL = 12
 # Lines that never reach the gate: committed before any fault.

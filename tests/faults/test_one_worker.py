@@ -24,9 +24,9 @@ from tests.faults.held import (
     http_client,
     running_at,
 )
+from tests.harness.waiting import wait_until
 from tests.integration.streams import Stream, read_stream
 from tests.integration.test_pool import STARVED, metric
-from tests.waiting import wait_until
 
 
 async def started(client: httpx.AsyncClient) -> tuple[asyncio.Future, asyncio.Future]:  # type: ignore[type-arg]

@@ -28,9 +28,9 @@ from tests.faults.held import (
     http_client,
     running_at,
 )
+from tests.harness.waiting import wait_until
 from tests.integration.streams import Stream, read_stream
 from tests.integration.test_pool import metric
-from tests.waiting import wait_until
 
 # Streams and whole requests sent; half of each land on the victim.
 EACH = 4

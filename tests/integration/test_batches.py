@@ -29,8 +29,8 @@ from sqlalchemy import func, select
 
 from gateway.state.db import Database
 from gateway.state.tables import lines
-from tests import prestart
 from tests.conftest import MODEL, ROOT, Served, engine_on_last_core, start_gateway, stop_serve
+from tests.harness import prestart
 from tests.integration.test_pool import metric, wait_for
 
 CHAT = "/v1/chat/completions"
@@ -384,7 +384,7 @@ class OfflineRun:
 
 
 # ``llmgate batch --offline`` starts its own serve: the run starts while the
-# module before this one runs (tests/prestart.py), and the test reads its end.
+# module before this one runs (tests/harness/prestart.py), and the test reads its end.
 SYSTEM_FIXTURE = "offline_run"
 
 

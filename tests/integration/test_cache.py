@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from tests.conftest import MODEL, Served, gateway_pair, start_gateway, stop_serve
-from tests.integration.redis_server import RedisServer
+from tests.harness.redis_server import RedisServer
 
 CACHE = "x-llmgate-cache"
 FRESH = ("id", "created")

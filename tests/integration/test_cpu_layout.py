@@ -16,8 +16,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest import capacity
-from tests.at_once import at_once, raised
 from tests.conftest import MODEL, Served
+from tests.harness.at_once import at_once, raised
 from worker.main import CPU_BLOCK_SIZE
 
 

@@ -17,7 +17,6 @@ import pytest
 import zmq
 
 from shared import curve_keys, protocol
-from tests import prestart
 from tests.conftest import (
     MODEL,
     ROOT,
@@ -30,6 +29,7 @@ from tests.conftest import (
     start_gateway,
     stop_serve,
 )
+from tests.harness import prestart
 
 pytestmark = pytest.mark.slow  # its own engine, CURVE-keyed
 
@@ -62,7 +62,7 @@ def make_key_files(folder: Path) -> KeyFiles:
     return KeyFiles(worker_secret, worker_public, gateway_secret, authorized, stranger_secret)
 
 
-# This module's system (tests/prestart.py): under make test its module runs in the
+# This module's system (tests/harness/prestart.py): under make test its module runs in the
 # session of the modules with systems of their own, which starts it as the module begins.
 SYSTEM_FIXTURE = "curve_system"
 

@@ -25,7 +25,6 @@ from psycopg import sql
 
 from loadtest import capacity
 from shared.ports import free_port, free_port_range
-from tests import prestart
 from tests.conftest import (
     MODEL,
     ROOT,
@@ -37,8 +36,9 @@ from tests.conftest import (
     stop_serve,
     wait_ready,
 )
-from tests.integration.postgres_server import PostgresServer
-from tests.integration.redis_server import RedisServer
+from tests.harness import prestart
+from tests.harness.postgres_server import PostgresServer
+from tests.harness.redis_server import RedisServer
 from tests.integration.test_cpu_layout import vllm_binding
 from tests.integration.test_pool import wait_for
 
@@ -81,7 +81,7 @@ def complete(base_url: str, timeout: float = 60) -> httpx.Response:
     )
 
 
-# The crash test's system (tests/prestart.py): under make test its module runs in the
+# The crash test's system (tests/harness/prestart.py): under make test its module runs in the
 # session of the modules with systems of their own, which starts it as the module begins.
 SYSTEM_FIXTURE = "launched"
 

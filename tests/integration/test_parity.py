@@ -28,7 +28,6 @@ import pytest
 
 from shared.embedded import default_model_dir
 from shared.settings import WorkerSettings
-from tests import prestart
 from tests.conftest import (
     STARTUP_TIMEOUT,
     TOOL_FLAGS,
@@ -38,6 +37,7 @@ from tests.conftest import (
     launched_ahead,
     stop_later,
 )
+from tests.harness import prestart
 from tests.integration.parity_cases import (
     MODEL,
     ROUTE_CASES,
@@ -64,7 +64,7 @@ def cpu_defaults() -> tuple[str, ...]:
     return ("--block-size", str(CPU_BLOCK_SIZE)) if current_platform.is_cpu() else ()
 
 
-# vLLM's server starts while the module before this one runs (tests/prestart.py).
+# vLLM's server starts while the module before this one runs (tests/harness/prestart.py).
 SYSTEM_FIXTURE = "vllm_url"
 
 

@@ -21,7 +21,6 @@ import pytest
 
 from shared.embedded import default_model_dir
 from shared.ports import free_port
-from tests import prestart
 from tests.conftest import (
     MODEL,
     ROOT,
@@ -32,6 +31,7 @@ from tests.conftest import (
     start_gateway,
     stop_serve,
 )
+from tests.harness import prestart
 from tests.integration.lora import write_zero_lora
 from tests.integration.test_pool import metric
 
@@ -43,7 +43,7 @@ EXAMPLE = ROOT / "examples" / "two-pools.yaml"
 LORA = "smollm2-zero-lora"
 
 
-# This module's system starts while the module before it runs (tests/prestart.py).
+# This module's system starts while the module before it runs (tests/harness/prestart.py).
 SYSTEM_FIXTURE = "pools"
 
 

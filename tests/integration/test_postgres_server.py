@@ -1,4 +1,4 @@
-"""tests/integration/postgres_server.py: a real PostgreSQL, a fresh database per test,
+"""tests/harness/postgres_server.py: a real PostgreSQL, a fresh database per test,
 and an outage (stopped, started again on the same port)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import psycopg
 import pytest
 
-from tests.integration.postgres_server import PostgresServer
+from tests.harness.postgres_server import PostgresServer
 
 
 def select_one(url: str) -> int:

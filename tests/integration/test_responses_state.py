@@ -15,7 +15,7 @@ import pytest
 from openai import OpenAI
 
 from tests.conftest import MODEL, Served, start_gateway, stop_serve
-from tests.integration.postgres_server import PostgresServer
+from tests.harness.postgres_server import PostgresServer
 
 ASK = {"model": MODEL, "max_output_tokens": 12, "temperature": 0}
 

@@ -24,9 +24,9 @@ import pytest
 from gateway.state.db import Database
 from gateway.state.tables import MIGRATIONS
 from shared.ports import free_port
-from tests.at_once import at_once, raised
 from tests.conftest import MODEL, ROOT, Served, gateway_pair, start_gateway, stop_serve
-from tests.integration.postgres_server import PostgresServer
+from tests.harness.at_once import at_once, raised
+from tests.harness.postgres_server import PostgresServer
 from tests.integration.test_batches import (
     COMPLETIONS,
     SHORT_LEASE,

@@ -21,7 +21,7 @@ import pytest
 
 from shared import api_keys
 from tests.conftest import MODEL, Served, gateway_pair
-from tests.integration.redis_server import RedisServer
+from tests.harness.redis_server import RedisServer
 
 # Token-id prompts of 9 tokens and max_tokens 1: the gateway reserves exactly
 # what the worker reports (9 + 1), so settling moves nothing.

@@ -17,7 +17,6 @@ from typing import Any
 import httpx
 import pytest
 
-from tests import prestart
 from tests.conftest import (
     MODEL,
     Served,
@@ -27,6 +26,7 @@ from tests.conftest import (
     start_gateway,
     stop_serve,
 )
+from tests.harness import prestart
 from tests.integration.otlp_receiver import Receiver
 
 pytestmark = pytest.mark.slow
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 HTTP_PROTOCOL = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
 
 
-# This module's system (tests/prestart.py): under make test its module runs in the
+# This module's system (tests/harness/prestart.py): under make test its module runs in the
 # session of the modules with systems of their own, which starts it as the module begins.
 SYSTEM_FIXTURE = "tracing_system"
 

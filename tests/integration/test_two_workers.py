@@ -22,7 +22,6 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests import prestart
 from tests.conftest import (
     MODEL,
     STARTUP_TIMEOUT,
@@ -33,13 +32,14 @@ from tests.conftest import (
     start_gateway,
     stop_serve,
 )
+from tests.harness import prestart
 from tests.integration.streams import Stream, read_stream
 from tests.integration.test_pool import metric, metric_reaches, value_in
 
 pytestmark = pytest.mark.slow
 
 
-# This module's system starts while the module before it runs (tests/prestart.py).
+# This module's system starts while the module before it runs (tests/harness/prestart.py).
 SYSTEM_FIXTURE = "two"
 
 

@@ -22,7 +22,7 @@ from gateway.dispatch.transport import WorkerLink
 from shared import curve_keys, protocol
 from shared.settings import GatewaySettings, WorkerSettings
 from tests.conftest import free_port
-from tests.waiting import until
+from tests.harness.waiting import until
 from worker.curve import start_authenticator
 from worker.liveness import watch_connections
 from worker.server import make_router

@@ -13,7 +13,7 @@ from loadtest.fake_engine import FakeEngine
 from shared import protocol
 from shared.settings import WorkerSettings
 from tests.conftest import free_port
-from tests.waiting import until
+from tests.harness.waiting import until
 from tests.worker.test_server import GATEWAY, MODEL, frames, generate, settle
 from worker.server import WorkerServer
 

@@ -16,7 +16,7 @@ from gateway.state.batches import STATUSES, Batches, Ending, output_line
 from gateway.state.db import Database
 from gateway.state.files import Files
 from gateway.state.tables import lines as lines_table
-from tests.at_once import at_once, raised
+from tests.harness.at_once import at_once, raised
 
 CHAT = "/v1/chat/completions"
 

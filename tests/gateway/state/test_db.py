@@ -10,8 +10,8 @@ from sqlalchemy import select
 
 from gateway.state.db import Database, Unavailable
 from gateway.state.tables import MIGRATIONS, migrations_table
-from tests.at_once import at_once, raised
-from tests.integration.postgres_server import PostgresServer
+from tests.harness.at_once import at_once, raised
+from tests.harness.postgres_server import PostgresServer
 
 
 def migrate_at_once(url: str, directory: Path, replicas: int) -> list[list[str]]:

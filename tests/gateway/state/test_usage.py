@@ -10,7 +10,7 @@ import msgspec
 from gateway.state.batches import output_line
 from gateway.state.db import Database
 from gateway.state.usage import Counts, Usage, batch_usage
-from tests.at_once import at_once
+from tests.harness.at_once import at_once
 
 DAY = "2025-06-01"
 

@@ -38,7 +38,7 @@ from gateway.tenants.redis_limits import RedisLimits, key_of
 from gateway.tenants.windows import Decision, MemoryLimits
 from shared import protocol
 from shared.api_keys import KeyEntry
-from tests.integration.redis_server import RedisServer
+from tests.harness.redis_server import RedisServer
 
 # Seconds a call may take on a busy machine before the limiter counts per
 # process instead: the tests are about the limits, not about a slow Redis.

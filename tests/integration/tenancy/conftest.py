@@ -13,8 +13,8 @@ import pytest
 
 from shared import api_keys
 from tests.conftest import Served, gateway_pair
-from tests.integration.postgres_server import PostgresServer
-from tests.integration.redis_server import RedisServer
+from tests.harness.postgres_server import PostgresServer
+from tests.harness.redis_server import RedisServer
 from tests.integration.test_pool import wait_for
 
 # The tenants, and an operator.

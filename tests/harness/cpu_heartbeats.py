@@ -1,6 +1,6 @@
 """One heartbeat process pinned to each core: tells a core nobody else got from a busy machine.
 
-When the test process is stalled with no CPU used (tests/stall_watch.py),
+When the test process is stalled with no CPU used (tests/harness/stall_watch.py),
 either the cores ran other work and it waited its turn, or one core was not
 shared at all: its host did not run that virtual CPU, or one task kept it
 (the suite's runs showed a CPU engine's model runner, bound to core 0,

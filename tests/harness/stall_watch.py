@@ -6,7 +6,7 @@ here wakes every half second; a wake-up far later than asked means this
 process (or the whole machine) did not run meanwhile. A failed test's report
 gets a section listing the stalls during it, the machine's load then, and
 the processes that used the most CPU just after it failed, each core's
-heartbeat over each stall (tests/cpu_heartbeats.py), and what the
+heartbeat over each stall (tests/harness/cpu_heartbeats.py), and what the
 kernel logged meanwhile of a CPU that made no progress: on the CI's virtual
 machine it once reported one stuck for 34 s (its host did not run that
 virtual CPU), and a process queued there gets no CPU at all meanwhile while
@@ -46,7 +46,7 @@ from typing import Any
 
 import psutil
 
-from tests.cpu_heartbeats import CpuHeartbeats
+from tests.harness.cpu_heartbeats import CpuHeartbeats
 
 # Bound at import: tests that monkeypatch ``time.monotonic`` with a simulated
 # clock (tests/shared/test_ticks.py, test_liveness.py, the cache's) must not
@@ -219,7 +219,7 @@ def cpu_used(before: CpuSample, after: CpuSample, top: int = 10) -> str:
 
 class StallWatch:
     def __init__(self, cores: CpuHeartbeats | None = None) -> None:
-        """``cores``: each core's heartbeat, told with each stall (tests/cpu_heartbeats.py)."""
+        """``cores``: each core's heartbeat, told with each stall (cpu_heartbeats.py)."""
         self.cores = cores
         self._stalls: list[Stall] = []
         self.samples: deque[CpuSample] = deque(maxlen=CPU_SAMPLES_KEPT)

@@ -1,4 +1,4 @@
-"""The stall watch that failed tests report (tests/stall_watch.py) sees this process stopped."""
+"""The stall watch that failed tests report (harness/stall_watch.py) sees this process stopped."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cpu_heartbeats import INTERVAL, CpuHeartbeats
-from tests.stall_watch import (
+from tests.harness.cpu_heartbeats import INTERVAL, CpuHeartbeats
+from tests.harness.stall_watch import (
     LATE,
     LoopWatch,
     Stall,
@@ -27,7 +27,7 @@ from tests.stall_watch import (
     warnings_logged,
     watched_policy,
 )
-from tests.waiting import wait_until
+from tests.harness.waiting import wait_until
 
 
 def recorded(watch: StallWatch, start: float, wanted: Callable[[Stall], bool]) -> list[Stall]:

@@ -1,4 +1,4 @@
-"""Module systems started one module ahead (tests/prestart.py), on stand-in modules."""
+"""Module systems started one module ahead (tests/harness/prestart.py), on stand-in modules."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests import prestart
+from tests.harness import prestart
 
 
 class Modules:
