@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -33,6 +33,9 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+
+if TYPE_CHECKING:
+    from shared.protocol import Usage
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -248,22 +251,19 @@ _finished: dict[tuple[str, str, str, str], list[int]] = {}
 
 
 def finished(
-    model: str,
-    route: str,
-    status: str,
-    key: str,
-    prompt: int = 0,
-    completion: int = 0,
-    cached: bool = False,
+    model: str, route: str, status: str, key: str, usage: Usage | None, cached: bool = False
 ) -> None:
     """Count a finished request (``llmgate_requests_total``, the key's
     requests and tokens, the engine's tokens) at the next :func:`flush`.
-    ``key``: its key's name; ``prompt``, ``completion``: its usage;
-    ``cached``: a response cache answered it, so the engine computed none."""
+    ``key``: its key's name; ``usage``: its tokens, if any; ``cached``: a
+    response cache answered it, so the engine computed none."""
     row = _finished.get((model, route, status, key))
     if row is None:
         row = _finished[model, route, status, key] = [0, 0, 0, 0, 0, 0]
     row[0] += 1
+    if usage is None:
+        return
+    prompt, completion = usage.prompt_tokens, usage.completion_tokens
     row[3] += prompt
     row[4] += completion
     if cached:

@@ -74,11 +74,10 @@ class Accounting:
         elapsed = time.monotonic() - self.started
         metrics.child(metrics.E2E_LATENCY, model, route).observe(elapsed)
         key = context.key_name
+        metrics.finished(model, route, str(status), key, usage, cached)
         if usage is None:
-            metrics.finished(model, route, str(status), key)
             return
         prompt, completion = usage.prompt_tokens, usage.completion_tokens
-        metrics.finished(model, route, str(status), key, prompt, completion, cached)
         # A request that reported no tokens (vLLM's /tokenize, /version, /ping) is no usage.
         if not prompt and not completion:
             return

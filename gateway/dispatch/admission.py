@@ -50,7 +50,7 @@ from collections.abc import Callable, Collection
 
 from gateway import errors, metrics
 from gateway.dispatch.fair_share import FairQueue, FairShare, Tenant
-from gateway.dispatch.models import Target, Tier
+from gateway.dispatch.models import Tier
 from gateway.dispatch.policies import Policy, RoutingContext
 from gateway.dispatch.slots import Slots
 from gateway.dispatch.work import WorkOrder
@@ -135,29 +135,20 @@ class Admission:
         tenant = self._tenant(order.tenant)
         self.fair.arrive(tenant)
         try:
-            return await self._acquire(
-                order.pools,
-                order.key,
-                order.deadline,
-                exclude,
-                on_queued,
-                order.low_priority,
-                tenant,
-            )
+            return await self._acquire(order, exclude, on_queued, tenant)
         except BaseException:
             self.fair.depart(tenant)
             raise
 
     async def _acquire(
         self,
-        target: Target,
-        key: str | None,
-        deadline: float,
+        order: WorkOrder,
         exclude: Collection[str],
         on_queued: Callable[[], object] | None,
-        low_priority: bool,
         tenant: Tenant,
     ) -> tuple[WorkerState, Tier]:
+        target, key, deadline = order.pools, order.key, order.deadline
+        low_priority = order.low_priority
         if not self.workers.any_healthy and not await self.workers.wait_for_any():
             metrics.REJECTED.labels("no_worker").inc()
             if target.declared:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import metrics
+from shared.protocol import Usage
 
 
 def test_every_batch_line_status_shows_at_zero_before_any_line_ran() -> None:
@@ -34,9 +35,9 @@ def test_what_the_request_path_counts_is_on_the_page_it_renders() -> None:
     scrape gets includes every one of them, and each is written once."""
     model, route, key = "metrics-test-model", "/v1/completions", "metrics-test-key"
     before = metrics.render()[0].decode()
-    metrics.finished(model, route, "200", key, prompt=7, completion=3)
-    metrics.finished(model, route, "200", key, prompt=5, completion=0, cached=True)
-    metrics.finished(model, route, "499", key)
+    metrics.finished(model, route, "200", key, Usage(7, 3))
+    metrics.finished(model, route, "200", key, Usage(5, 0), cached=True)
+    metrics.finished(model, route, "499", key, None)
     metrics.add(metrics.IN_FLIGHT)
     metrics.add(metrics.IN_FLIGHT)
     metrics.add(metrics.IN_FLIGHT, -1)
