@@ -6,6 +6,7 @@ Strict, so a broken link, a missing anchor or a page left out of the nav in
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -44,3 +45,15 @@ def test_no_issue_numbers_in_user_documentation(path: Path) -> None:
     text = path.read_text()
     found = re.findall(r"\bissues? \d+|(?<![\w&(/])#\d+\b", text, flags=re.IGNORECASE)
     assert not found, f"{path.name} cites issue numbers: {found}"
+
+
+def test_the_code_map_is_generated_from_the_package_docstrings() -> None:
+    spec = importlib.util.spec_from_file_location("code_map", ROOT / "scripts" / "code_map.py")
+    assert spec is not None and spec.loader is not None
+    code_map = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(code_map)
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    assert code_map.BEGIN + code_map.table() + code_map.END in page, (
+        "docs/architecture.md's code map is out of date: regenerate it with "
+        "`python scripts/code_map.py --update docs/architecture.md`"
+    )
