@@ -1,4 +1,4 @@
-"""The measuring tools: ``make bench``, ``make bench-overhead``, ``make bench-scaling``, ``make loadtest``.
+"""The measuring tools: make bench, bench-overhead, bench-scaling and loadtest.
 
 Each starts its servers, runs its load and writes its figures under
 ``loadtest/results/``; ``fake_engine.py`` is the benchmark and

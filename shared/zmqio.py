@@ -1,8 +1,8 @@
 """A ZeroMQ socket read from the asyncio loop's own poller, without a future per message.
 
 pyzmq's asyncio sockets make a future, and wake a coroutine, for every
-message received, and check the socket's events again after every send:
-about a tenth of the gateway's CPU per request under load (py-spy). A
+message received, and check the socket's events again after every send,
+a cost the gateway paid per request (docs/benchmark-history.md). A
 :class:`Reader` registers the socket's file descriptor with the event loop
 once and, whenever it signals, receives every message that is ready with
 NOBLOCK and hands each to a callback, all in one loop callback.

@@ -4,9 +4,9 @@ The builder routes of the route table (``shared.routes``) are declared on
 the FastAPI app too, so they appear in ``/openapi.json`` like any route, but a request for
 one never goes through FastAPI's app, router, dependency solving, exception
 middleware and exit stacks: this app, in front of FastAPI's, finds the
-endpoint by path and calls it with a plain Starlette ``Request``. That
-machinery cost about a third of the gateway's CPU per request (py-spy,
-``make bench-overhead ARGS=--profile``). Every other request (health,
+endpoint by path and calls it with a plain Starlette ``Request``: that
+machinery was a large share of the gateway's CPU per request
+(docs/benchmark-history.md). Every other request (health,
 metrics, models, docs, unknown paths, other methods) goes on to FastAPI.
 
 Errors are rendered here exactly as the app's handlers render them: one
