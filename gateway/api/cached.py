@@ -23,7 +23,7 @@ from gateway.dialects import sse
 from gateway.dialects.jsonresp import JSONAnswer
 from gateway.dispatch.handle import Answerer
 from gateway.dispatch.pool import Pool
-from gateway.dispatch.workers import WorkerState
+from gateway.dispatch.workers import Worker
 from shared import protocol, routes
 
 # The routes whose answers are cached (OpenAI's; TGI's are not).
@@ -75,7 +75,7 @@ class CacheStep:
         served_model: str,
         body: dict[str, Any],
         cache_control: str | None,
-        workers: Iterable[WorkerState],
+        workers: Iterable[Worker],
     ) -> Entry | None:
         """The stored answer for this request, if it may have one; else note
         whether its answer may be stored."""
@@ -123,7 +123,7 @@ class CacheStep:
         await self.cache.put(self.key, entry)
 
 
-def _fresh(entry: Entry, workers: Iterable[WorkerState]) -> bool:
+def _fresh(entry: Entry, workers: Iterable[Worker]) -> bool:
     """Whether the engine that computed ``entry`` still serves its model (a
     worker of the same fingerprint; with none serving it, the entry stands)."""
     fingerprints = {w.system_fingerprint for w in workers if entry.served_model in w.models}

@@ -54,7 +54,7 @@ from gateway.dispatch.models import Tier
 from gateway.dispatch.policies import Policy, RoutingContext
 from gateway.dispatch.slots import Slots
 from gateway.dispatch.work import WorkOrder
-from gateway.dispatch.workers import Workers, WorkerState
+from gateway.dispatch.workers import Worker, Workers
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class Admission:
         order: WorkOrder,
         exclude: Collection[str] = (),
         on_queued: Callable[[], object] | None = None,
-    ) -> tuple[WorkerState, Tier]:
+    ) -> tuple[Worker, Tier]:
         """A worker with a free slot for the order's target, chosen by the
         policy (by the order's routing key), and its tier; queues if none may
         take it now (and calls ``on_queued`` then), until the order's deadline.
@@ -146,7 +146,7 @@ class Admission:
         exclude: Collection[str],
         on_queued: Callable[[], object] | None,
         tenant: Tenant,
-    ) -> tuple[WorkerState, Tier]:
+    ) -> tuple[Worker, Tier]:
         target, key, deadline = order.pools, order.key, order.deadline
         low_priority = order.low_priority
         if not self.workers.any_healthy and not await self.workers.wait_for_any():
@@ -202,7 +202,7 @@ class Admission:
         exclude: Collection[str],
         on_queued: Callable[[], object] | None,
         tenant: Tenant,
-    ) -> tuple[WorkerState, Tier]:
+    ) -> tuple[Worker, Tier]:
         """Queue for the home pool (and, after ``spill_after``, the later tiers)."""
         wait = self.settings.queue_timeout
         if deadline:
@@ -279,7 +279,7 @@ class Admission:
         deadline: float,
         exclude: Collection[str],
         tenant: Tenant,
-    ) -> tuple[WorkerState, Tier]:
+    ) -> tuple[Worker, Tier]:
         """Queue behind every interactive request for ``home`` (see the module docstring)."""
         queue = self.pool(home)
         loop = asyncio.get_running_loop()
@@ -328,7 +328,7 @@ class Admission:
 
     def _take_spare(
         self, tier: Tier, key: str | None, exclude: Collection[str]
-    ) -> tuple[WorkerState, Tier] | None:
+    ) -> tuple[Worker, Tier] | None:
         """A free slot of ``tier`` for a low-priority request: only one that no
         interactive request queued for the pool will need."""
         free = self.slots.free(tier, exclude)
@@ -347,7 +347,7 @@ class Admission:
 
     def _take(
         self, tier: Tier, key: str | None, exclude: Collection[str]
-    ) -> tuple[WorkerState, Tier] | None:
+    ) -> tuple[Worker, Tier] | None:
         """A free worker of ``tier``, chosen by the policy; None if none."""
         free = self.slots.free(tier, exclude)
         if not free:
@@ -356,7 +356,7 @@ class Admission:
 
     def _spill(
         self, tiers: list[Tier], key: str | None, exclude: Collection[str]
-    ) -> tuple[WorkerState, Tier] | None:
+    ) -> tuple[Worker, Tier] | None:
         for tier in tiers[1:]:
             free = self.slots.free(tier, exclude)
             if free:

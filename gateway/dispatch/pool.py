@@ -35,7 +35,7 @@ from gateway.dispatch.models import Models, Target, Tier
 from gateway.dispatch.policies import Policy, make_policy
 from gateway.dispatch.transport import WorkerLink
 from gateway.dispatch.work import WorkOrder
-from gateway.dispatch.workers import Workers, WorkerState
+from gateway.dispatch.workers import Worker, Workers
 from shared import protocol
 from shared.settings import GatewaySettings
 
@@ -53,7 +53,7 @@ class _Attempt:
     """One request on one worker, as the pool keeps it until its handle is closed."""
 
     request_id: str
-    worker: WorkerState
+    worker: Worker
     # The pool it runs in, and since when (for the pool's mean request time).
     tier: Tier
     delivery: Delivery
@@ -140,7 +140,7 @@ class Pool:
     def known_models(self) -> set[str]:
         return self.workers.known_models
 
-    def healthy_workers(self) -> list[WorkerState]:
+    def healthy_workers(self) -> list[Worker]:
         return self.workers.healthy()
 
     def worker_count(self) -> int:
@@ -280,9 +280,7 @@ class Pool:
             if attempt is not None and attempt.worker.link is link:
                 attempt.delivery.deliver(message)
 
-    def worker_lost(
-        self, worker: WorkerState, reason: str, may_return: bool
-    ) -> tuple[list[str], int]:
+    def worker_lost(self, worker: Worker, reason: str, may_return: bool) -> tuple[list[str], int]:
         """Fail the worker's requests (the API retries those it can); which ids
         failed, and how many were kept waiting for it.
 

@@ -15,7 +15,7 @@ from collections.abc import Collection
 
 from gateway import errors, metrics
 from gateway.dispatch.models import Target, Tier
-from gateway.dispatch.workers import Workers, WorkerState
+from gateway.dispatch.workers import Worker, Workers
 from shared.settings import GatewaySettings
 
 
@@ -24,7 +24,7 @@ class Slots:
         self.settings = settings
         self.workers = workers
 
-    def capacity_of(self, worker: WorkerState) -> int:
+    def capacity_of(self, worker: Worker) -> int:
         """The smaller of what the worker reports and --max-inflight-per-worker (0s unset)."""
         reported, cap = worker.capacity, self.settings.max_inflight_per_worker
         if reported and cap:
@@ -32,7 +32,7 @@ class Slots:
         return reported or cap or 1
 
     @staticmethod
-    def runs(worker: WorkerState, tier: Tier, exclude: Collection[str]) -> bool:
+    def runs(worker: Worker, tier: Tier, exclude: Collection[str]) -> bool:
         """Whether ``worker`` may take a request for ``tier`` now (slots aside);
         ``exclude``: addresses of workers not to use."""
         return (
@@ -47,10 +47,10 @@ class Slots:
         """Whether any worker may take a request for ``tier`` now (slots aside)."""
         return any(self.runs(w, tier, ()) for w in self.workers.by_address.values())
 
-    def serving(self, tier: Tier, exclude: Collection[str]) -> list[WorkerState]:
+    def serving(self, tier: Tier, exclude: Collection[str]) -> list[Worker]:
         return [w for w in self.workers.by_address.values() if self.runs(w, tier, exclude)]
 
-    def free(self, tier: Tier, exclude: Collection[str]) -> list[WorkerState]:
+    def free(self, tier: Tier, exclude: Collection[str]) -> list[Worker]:
         return [w for w in self.serving(tier, exclude) if w.in_flight < self.capacity_of(w)]
 
     def live_tiers(self, target: Target, exclude: Collection[str]) -> list[Tier]:

@@ -44,7 +44,10 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class WorkerState:
+class Worker:
+    """One worker as this gateway process knows it: its link, what its last
+    heartbeat said, its health and this process's requests on it."""
+
     link: WorkerLink
     worker_id: str = ""
     incarnation: str = ""
@@ -96,9 +99,7 @@ class WorkerEvents(Protocol):
         """Deltas or a failure, for requests sent over ``link``."""
         ...
 
-    def worker_lost(
-        self, worker: WorkerState, reason: str, may_return: bool
-    ) -> tuple[list[str], int]:
+    def worker_lost(self, worker: Worker, reason: str, may_return: bool) -> tuple[list[str], int]:
         """``worker`` is out of service: fail its requests (``may_return``: it
         is only silent, so what a retry cannot help may wait for it); the ids
         failed, and how many were kept waiting."""
@@ -121,7 +122,7 @@ class Workers:
     ) -> None:
         self.settings = settings
         self.gateway_id = gateway_id
-        self.by_address: dict[str, WorkerState] = {}
+        self.by_address: dict[str, Worker] = {}
         # Pools of the addresses the config file places (llmgate gateway --config).
         self.pool_of_address: Mapping[str, str] = pool_of_address or {}
         # Every model a worker has said it serves (metrics label only these).
@@ -133,7 +134,7 @@ class Workers:
 
     # -- queries -----------------------------------------------------------
 
-    def healthy(self) -> list[WorkerState]:
+    def healthy(self) -> list[Worker]:
         return [w for w in self.by_address.values() if w.healthy]
 
     def models(self) -> list[str]:
@@ -167,7 +168,7 @@ class Workers:
                 on_connect=self._on_connect,
                 curve=self._curve,
             )
-            self.by_address[address] = WorkerState(link=link)
+            self.by_address[address] = Worker(link=link)
             link.start()  # it says hello (a ping) once its handshake is done
             log.info("worker address %s added", address)
         for address in self.by_address.keys() - addresses:
@@ -193,7 +194,7 @@ class Workers:
         else:
             self._events.worker_output(link, message)
 
-    def on_heartbeat(self, worker: WorkerState, beat: protocol.Heartbeat) -> None:
+    def on_heartbeat(self, worker: Worker, beat: protocol.Heartbeat) -> None:
         if beat.protocol_version != protocol.PROTOCOL_VERSION:
             if worker.healthy or not worker.worker_id:
                 log.error(
@@ -274,7 +275,7 @@ class Workers:
 
     # -- liveness ----------------------------------------------------------
 
-    def lose(self, worker: WorkerState, reason: str, silent: bool = False) -> list[str]:
+    def lose(self, worker: Worker, reason: str, silent: bool = False) -> list[str]:
         """Take ``worker`` out of service and fail its requests; the ids failed.
 
         ``silent``: it is only silent, and may be stalled rather than gone:
@@ -339,7 +340,7 @@ class Workers:
                 if worker.retired and not worker.requests:
                     await self._remove(worker)
 
-    async def _remove(self, worker: WorkerState) -> None:
+    async def _remove(self, worker: Worker) -> None:
         del self.by_address[worker.address]
         metrics.WORKER_HEALTHY.labels(worker.key).set(0)
         await worker.link.close()

@@ -17,7 +17,7 @@ from gateway.dispatch.admission import Admission
 from gateway.dispatch.models import Target, Tier
 from gateway.dispatch.policies.round_robin import RoundRobin
 from gateway.dispatch.work import WorkOrder
-from gateway.dispatch.workers import Workers, WorkerState
+from gateway.dispatch.workers import Worker, Workers
 from shared import protocol
 from shared.settings import GatewaySettings
 from tests.gateway.test_liveness import NoEvents
@@ -38,14 +38,14 @@ def admission(workers: Workers, **settings: Any) -> Admission:
     return Admission(GatewaySettings(**merged), workers, RoundRobin())
 
 
-def add(workers: Workers, name: str, capacity: int, model: str = "m") -> WorkerState:
-    state = WorkerState(link=Link(address=f"tcp://{name}:5550", sent=[]))  # type: ignore[arg-type]
+def add(workers: Workers, name: str, capacity: int, model: str = "m") -> Worker:
+    state = Worker(link=Link(address=f"tcp://{name}:5550", sent=[]))  # type: ignore[arg-type]
     workers.by_address[state.address] = state
     workers.on_heartbeat(state, protocol.Heartbeat(name, "i", [model], capacity=capacity))
     return state
 
 
-async def take(gate: Admission, exclude: tuple[str, ...] = ()) -> WorkerState:
+async def take(gate: Admission, exclude: tuple[str, ...] = ()) -> Worker:
     """Admit one request for ``m`` and occupy its slot, as the pool does."""
     chosen, tier = await gate.acquire(WorkOrder("r", "completion", M, {}), exclude)
     assert tier.model == "m"
@@ -53,7 +53,7 @@ async def take(gate: Admission, exclude: tuple[str, ...] = ()) -> WorkerState:
     return chosen
 
 
-def leave(gate: Admission, worker: WorkerState) -> None:
+def leave(gate: Admission, worker: Worker) -> None:
     """A request on ``worker`` ends, as the pool's release tells admission."""
     worker.in_flight -= 1
     gate.finished(Tier("", "m"), 1.0)

@@ -24,7 +24,7 @@ from gateway.dispatch.admission import Admission
 from gateway.dispatch.fair_share import DEFAULT_ESTIMATE, FairShare, Tenant
 from gateway.dispatch.pool import Pool
 from gateway.dispatch.work import WorkOrder
-from gateway.dispatch.workers import Workers, WorkerState
+from gateway.dispatch.workers import Worker, Workers
 from shared import routes
 from shared.api_keys import KeyEntry
 from shared.settings import GatewaySettings
@@ -51,7 +51,7 @@ async def settle() -> None:
 class OneSlot:
     """A gateway with one slot: requests by key, queued in the order sent."""
 
-    def __init__(self, gate: Admission, worker: WorkerState) -> None:
+    def __init__(self, gate: Admission, worker: Worker) -> None:
         self.gate = gate
         self.worker = worker
         # Labels in the order their requests got the slot.

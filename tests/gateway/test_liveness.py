@@ -22,7 +22,7 @@ from prometheus_client import REGISTRY
 from gateway.dispatch.handle import RequestHandle, WorkerLost
 from gateway.dispatch.pool import Pool
 from gateway.dispatch.work import WorkOrder
-from gateway.dispatch.workers import Workers, WorkerState
+from gateway.dispatch.workers import Worker, Workers
 from shared import protocol
 from shared.settings import GatewaySettings
 from tests.gateway import test_pool as pool_tests
@@ -42,9 +42,7 @@ class NoEvents:
     def worker_output(self, link: Any, message: Any) -> None:
         pass
 
-    def worker_lost(
-        self, worker: WorkerState, reason: str, may_return: bool
-    ) -> tuple[list[str], int]:
+    def worker_lost(self, worker: Worker, reason: str, may_return: bool) -> tuple[list[str], int]:
         return [], 0
 
     def worker_up(self) -> None:
@@ -95,9 +93,9 @@ def run_monitor(workers: Workers, clock: Clock, steps: list[float]) -> None:
         asyncio.run(workers.monitor())
 
 
-def worker(workers: Workers) -> tuple[WorkerState, Callable[[], None]]:
+def worker(workers: Workers) -> tuple[Worker, Callable[[], None]]:
     link = Link(address="tcp://a:5550", sent=[], waiting=[], last_received=0.0)
-    state = WorkerState(link=link)  # type: ignore[arg-type]
+    state = Worker(link=link)  # type: ignore[arg-type]
     workers.by_address[state.address] = state
 
     def beat() -> None:
@@ -165,9 +163,9 @@ async def tick(workers: Workers, clock: Clock, steps: list[float]) -> None:
         await workers.monitor()
 
 
-def add_worker(pool: Pool, name: str) -> tuple[WorkerState, Callable[[], None]]:
+def add_worker(pool: Pool, name: str) -> tuple[Worker, Callable[[], None]]:
     link = Link(address=f"tcp://{name}:5550", sent=[], waiting=[], last_received=0.0)
-    state = WorkerState(link=link)  # type: ignore[arg-type]
+    state = Worker(link=link)  # type: ignore[arg-type]
     pool.workers.by_address[state.address] = state
 
     def beat() -> None:
@@ -179,7 +177,7 @@ def add_worker(pool: Pool, name: str) -> tuple[WorkerState, Callable[[], None]]:
 
 async def stalled_pool(
     settings: GatewaySettings, another_worker: bool = True
-) -> tuple[Pool, WorkerState, RequestHandle, RequestHandle, Callable[[], None]]:
+) -> tuple[Pool, Worker, RequestHandle, RequestHandle, Callable[[], None]]:
     """A pool with a worker running two requests for us: a stream whose first
     token went out to its client, and a request that sent nothing yet; and
     (``another_worker``) a second worker, whose heartbeats keep coming."""
@@ -200,7 +198,7 @@ def close(pool: Pool, *handles: RequestHandle) -> None:
     pool.workers.ctx.term()
 
 
-def aborted(state: WorkerState) -> list[str]:
+def aborted(state: Worker) -> list[str]:
     sent = state.link.sent  # type: ignore[attr-defined]
     return [rid for m in sent if isinstance(m, protocol.Abort) for rid in m.request_ids]
 

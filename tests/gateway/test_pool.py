@@ -17,7 +17,7 @@ from gateway import errors
 from gateway.dispatch.handle import WorkerLost
 from gateway.dispatch.pool import Pool
 from gateway.dispatch.work import WorkOrder
-from gateway.dispatch.workers import WorkerState
+from gateway.dispatch.workers import Worker
 from shared import protocol
 from shared.settings import GatewaySettings
 
@@ -29,8 +29,8 @@ class Link(SimpleNamespace):
         self.sent.append(message)
 
 
-def healthy_worker(pool: Pool, name: str) -> WorkerState:
-    worker = WorkerState(link=Link(address=f"tcp://{name}:5550", sent=[]))  # type: ignore[arg-type]
+def healthy_worker(pool: Pool, name: str) -> Worker:
+    worker = Worker(link=Link(address=f"tcp://{name}:5550", sent=[]))  # type: ignore[arg-type]
     pool.workers.by_address[worker.address] = worker
     beat = protocol.Heartbeat(name, "incarnation", ["m"], capacity=8)
     pool.workers.on_heartbeat(worker, beat)

@@ -12,7 +12,7 @@ from gateway import errors, metrics
 from gateway.dispatch.models import Models, Tier
 from gateway.dispatch.pool import Pool
 from gateway.dispatch.work import WorkOrder
-from gateway.dispatch.workers import WorkerState
+from gateway.dispatch.workers import Worker
 from shared import config, protocol
 from shared.settings import GatewaySettings
 
@@ -29,10 +29,8 @@ class Link(SimpleNamespace):
         self.sent.append(message)
 
 
-def worker(
-    pool: Pool, name: str, model: str, capacity: int, in_pool: str | None = None
-) -> WorkerState:
-    state = WorkerState(link=Link(address=f"tcp://{name}:5550", sent=[]))  # type: ignore[arg-type]
+def worker(pool: Pool, name: str, model: str, capacity: int, in_pool: str | None = None) -> Worker:
+    state = Worker(link=Link(address=f"tcp://{name}:5550", sent=[]))  # type: ignore[arg-type]
     pool.workers.by_address[state.address] = state
     beat = protocol.Heartbeat(name, "i", [model], capacity=capacity, pool=in_pool or name)
     pool.workers.on_heartbeat(state, beat)
@@ -247,7 +245,7 @@ pools:
     # The config's addresses are the workers (--workers left at its default).
     assert pool.discovery.specs == ["tcp://10.0.0.1:5550", "tcp://10.0.0.2:5550"]
     for address in ("tcp://10.0.0.1:5550", "tcp://10.0.0.2:5550"):
-        state = WorkerState(link=Link(address=address, sent=[]))  # type: ignore[arg-type]
+        state = Worker(link=Link(address=address, sent=[]))  # type: ignore[arg-type]
         pool.workers.by_address[address] = state
         pool.workers.on_heartbeat(state, protocol.Heartbeat("w", "i", ["m"], capacity=1))
     handle = await submit(pool, "a")

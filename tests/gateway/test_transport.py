@@ -13,7 +13,7 @@ import zmq
 import zmq.asyncio
 
 from gateway.dispatch.transport import WorkerLink
-from gateway.dispatch.workers import Workers, WorkerState
+from gateway.dispatch.workers import Worker, Workers
 from shared import protocol
 from shared.settings import GatewaySettings
 from tests.conftest import free_port
@@ -163,7 +163,7 @@ def test_requests_failed_when_the_link_dropped_are_aborted_once_it_connects_agai
                 pass
 
             def worker_lost(
-                self, worker: WorkerState, reason: str, may_return: bool
+                self, worker: Worker, reason: str, may_return: bool
             ) -> tuple[list[str], int]:
                 lost.append(reason)
                 down.set()

@@ -1,6 +1,6 @@
 """Routing policies: which of the eligible workers gets a request.
 
-Every policy has one method, ``select(context) -> WorkerState``. The pool
+Every policy has one method, ``select(context) -> Worker``. The pool
 calls it only with workers that are healthy, serve the requested model, are
 not draining and have a free slot, so a policy only chooses among equals in
 eligibility. Policies keep no per-request state, and per-key state only in a
@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 
 if TYPE_CHECKING:
-    from gateway.dispatch.workers import WorkerState
+    from gateway.dispatch.workers import Worker
 
 
 class RoutingContext(msgspec.Struct, frozen=True):
     # Eligible workers (never empty), in a stable order.
-    candidates: Sequence[WorkerState]
+    candidates: Sequence[Worker]
     # Affinity key: a session key, or the start of the prompt; None if the
     # policy does not use one.
     key: str | None = None
@@ -40,10 +40,10 @@ class Policy(Protocol):
     # Whether the pool must compute ``RoutingContext.key`` for this policy.
     uses_key: bool
 
-    def select(self, context: RoutingContext) -> WorkerState: ...
+    def select(self, context: RoutingContext) -> Worker: ...
 
 
-def load(worker: WorkerState) -> int:
+def load(worker: Worker) -> int:
     """A worker's load as this gateway sees it: own in-flight + other gateways' requests.
 
     Not own in-flight + the reported waiting count: that counts this gateway's

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from gateway.dispatch.policies import RoutingContext, load
 
 if TYPE_CHECKING:
-    from gateway.dispatch.workers import WorkerState
+    from gateway.dispatch.workers import Worker
 
 
 class LeastLoad:
@@ -22,7 +22,7 @@ class LeastLoad:
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def select(self, context: RoutingContext) -> WorkerState:
+    def select(self, context: RoutingContext) -> Worker:
         candidates = context.candidates
         if len(candidates) == 1:
             return candidates[0]

@@ -37,7 +37,7 @@ from gateway.dispatch.policies import RoutingContext, load
 from gateway.dispatch.policies.least_load import LeastLoad
 
 if TYPE_CHECKING:
-    from gateway.dispatch.workers import WorkerState
+    from gateway.dispatch.workers import Worker
 
 # About 100 bytes each: a few MiB at most.
 REMEMBERED_KEYS = 65_536
@@ -62,7 +62,7 @@ class PrefixAffinity:
         self.slack = slack
         self.remembered = remembered
         self._fallback = LeastLoad()
-        # key -> WorkerState.key of the worker it was placed on, oldest first.
+        # key -> Worker.key of the worker it was placed on, oldest first.
         self._placed: OrderedDict[str, str] = OrderedDict()
 
     def bound(self, context: RoutingContext) -> int:
@@ -72,7 +72,7 @@ class PrefixAffinity:
         over_mean = -(-total // workers) + self.slack  # ceil(mean) + slack, in integers
         return max(1, math.ceil(self.load_factor * total / workers), over_mean)
 
-    def select(self, context: RoutingContext) -> WorkerState:
+    def select(self, context: RoutingContext) -> Worker:
         key = context.key
         if key is None:
             return self._fallback.select(context)

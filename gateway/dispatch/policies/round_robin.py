@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from gateway.dispatch.policies import RoutingContext
 
 if TYPE_CHECKING:
-    from gateway.dispatch.workers import WorkerState
+    from gateway.dispatch.workers import Worker
 
 
 class RoundRobin:
@@ -17,5 +17,5 @@ class RoundRobin:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def select(self, context: RoutingContext) -> WorkerState:
+    def select(self, context: RoutingContext) -> Worker:
         return context.candidates[next(self._counter) % len(context.candidates)]

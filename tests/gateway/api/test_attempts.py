@@ -20,7 +20,7 @@ from gateway.dialects import sse
 from gateway.dispatch.handle import WorkerLost
 from gateway.dispatch.models import Target, Tier
 from gateway.dispatch.pool import Pool
-from gateway.dispatch.workers import WorkerState
+from gateway.dispatch.workers import Worker
 from gateway.tracing import NO_SPAN
 from shared import protocol
 from shared.settings import GatewaySettings
@@ -83,12 +83,12 @@ def attempts(pool: Pool, max_retries: int = 2, recorded: list[Any] | None = None
     return Attempts(pool, "req", "completion", 0.0, None, builder, NO_SPAN, max_retries, recorded)
 
 
-def generates(worker: WorkerState) -> list[protocol.Generate]:
+def generates(worker: Worker) -> list[protocol.Generate]:
     sent = worker.link.sent  # type: ignore[attr-defined]
     return [m for m in sent if isinstance(m, protocol.Generate)]
 
 
-async def generated(worker: WorkerState) -> protocol.Generate:
+async def generated(worker: Worker) -> protocol.Generate:
     """The next request the pool sends ``worker`` (what was sent before is forgotten)."""
     for _ in range(100):
         sent = generates(worker)
@@ -99,14 +99,12 @@ async def generated(worker: WorkerState) -> protocol.Generate:
     raise AssertionError(f"nothing was sent to {worker.address}")
 
 
-async def sent_to(worker: WorkerState) -> str:
+async def sent_to(worker: Worker) -> str:
     """The wire id of the next request the pool sends ``worker``."""
     return (await generated(worker)).request_id
 
 
-def answer(
-    pool: Pool, worker: WorkerState, rid: str, *texts: str, logprob: float | None = None
-) -> None:
+def answer(pool: Pool, worker: Worker, rid: str, *texts: str, logprob: float | None = None) -> None:
     """``worker`` sends ``texts`` for ``rid`` (each one token, of ``logprob`` if
     given), the last one finished, then the usage that ends the request."""
     items = []

@@ -27,7 +27,7 @@ from gateway.cache.memory import MemoryStore
 from gateway.dialects import schemas, sse
 from gateway.dispatch.models import Models
 from gateway.dispatch.pool import Pool
-from gateway.dispatch.workers import WorkerState
+from gateway.dispatch.workers import Worker
 from shared import config, protocol, routes
 from shared.settings import GatewaySettings
 from tests.gateway.api.test_attempts import answer, generated, generates, sent_to
@@ -125,7 +125,7 @@ auto:
 """
 
 
-def cascade_pool() -> tuple[Pool, WorkerState, WorkerState]:
+def cascade_pool() -> tuple[Pool, Worker, Worker]:
     pool = Pool(GatewaySettings(), models=Models(config.parse(CASCADE)))
     return pool, worker(pool, "small", "cheap", 4), worker(pool, "large", "big", 4)
 

@@ -12,7 +12,7 @@ import pytest
 
 from gateway.dispatch.pool import Pool
 from gateway.dispatch.work import WorkOrder
-from gateway.dispatch.workers import WorkerState
+from gateway.dispatch.workers import Worker
 from shared import protocol
 from shared.settings import GatewaySettings
 from worker import main as worker_main
@@ -26,9 +26,9 @@ class Link(SimpleNamespace):
         self.sent.append(message)
 
 
-def make_pool(capacity: int, **settings: Any) -> tuple[Pool, WorkerState]:
+def make_pool(capacity: int, **settings: Any) -> tuple[Pool, Worker]:
     pool = Pool(GatewaySettings(**settings))
-    state = WorkerState(link=Link(address="tcp://w:5550", sent=[]))  # type: ignore[arg-type]
+    state = Worker(link=Link(address="tcp://w:5550", sent=[]))  # type: ignore[arg-type]
     pool.workers.by_address[state.address] = state
     pool.workers.on_heartbeat(state, protocol.Heartbeat("w", "i", [MODEL], capacity=capacity))
     return pool, state

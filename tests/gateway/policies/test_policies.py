@@ -13,17 +13,17 @@ from gateway.dispatch.policies import RoutingContext, load, make_policy
 from gateway.dispatch.policies.least_load import LeastLoad
 from gateway.dispatch.policies.prefix import PrefixAffinity
 from gateway.dispatch.policies.round_robin import RoundRobin
-from gateway.dispatch.workers import WorkerState
+from gateway.dispatch.workers import Worker
 
 
-def workers(n: int) -> list[WorkerState]:
+def workers(n: int) -> list[Worker]:
     return [
-        WorkerState(link=SimpleNamespace(address=f"tcp://10.0.0.{i}:5550"))  # type: ignore[arg-type]
+        Worker(link=SimpleNamespace(address=f"tcp://10.0.0.{i}:5550"))  # type: ignore[arg-type]
         for i in range(n)
     ]
 
 
-def ctx(candidates: list[WorkerState], key: str | None = None) -> RoutingContext:
+def ctx(candidates: list[Worker], key: str | None = None) -> RoutingContext:
     return RoutingContext(candidates, key)
 
 
