@@ -57,7 +57,7 @@ def create_app_from_environment() -> ASGIApp:
     gateway = settings.from_environment(GatewaySettings)
     # uvicorn's extra processes (--processes) start with no logging set up.
     if not logging.getLogger().handlers:
-        setup_logging(gateway.log_level, gateway.log_format)
+        setup_logging(gateway.observability.log_level, gateway.observability.log_format)
     return create_app(gateway)
 
 
@@ -65,8 +65,8 @@ def create_app(settings: GatewaySettings) -> ASGIApp:
     """The ASGI stack: request ids (:mod:`gateway.api.request_ids`), the API-key
     check (when keys are set), then the API's POST routes served directly
     (:mod:`gateway.api.direct`), then FastAPI."""
-    tracing.setup(settings.otlp_endpoint)
-    keys = auth.KeyRing(settings)
+    tracing.setup(settings.observability.otlp_endpoint)
+    keys = auth.KeyRing(settings.tenants)
     api = create_api(settings, keys)
     app = below_keys(api, keys)
     if len(keys):
@@ -86,29 +86,26 @@ def below_keys(api: ServedApp, keys: auth.KeyRing) -> ASGIApp:
 def create_api(settings: GatewaySettings, keys: auth.KeyRing | None = None) -> ServedApp:
     """The FastAPI app: every route (and the OpenAPI document), the services'
     lifetime (:class:`gateway.api.services.Services`), and the error handlers."""
-    keyring = keys if keys is not None else auth.KeyRing(settings)
+    keyring = keys if keys is not None else auth.KeyRing(settings.tenants)
 
     @asynccontextmanager
     async def lifespan(app: ServedApp) -> AsyncIterator[None]:
         # Model names, aliases, auto, pools and tiers (--config).
-        models = Models.from_file(settings.config)
-        pool = Pool(settings, models=models)
+        models = Models.from_file(settings.routing.config)
+        pool = Pool(settings.link, settings.admission, settings.routing, models=models)
         await pool.start()
-        limits = tenants.Limiter(settings.limits, timeout=settings.limits_timeout)
+        limits = tenants.Limiter(settings.tenants.limits, timeout=settings.tenants.limits_timeout)
         await limits.start()
         # None when --cache is off; the pools file's `cache:` fills in the
         # settings that flags and environment left at their defaults.
-        cached = merge_config(settings, models.config)
-        cache = open_cache(
-            cached.cache, cached.cache_ttl, cached.cache_max_bytes, cached.cache_scope
-        )
+        cache = open_cache(merge_config(settings.caching, models.config))
         # Files, batch jobs, stored responses: the store every replica shares
         # (gateway.state); it connects in the background and /ready waits for it.
-        store = State(settings)
+        store = State(settings.store)
         store.start()
         # The runner sends its lines below the key check, as their owner's key.
         batches = batch.start(
-            settings,
+            settings.batch,
             store,
             below_keys(app, keyring),
             pool.capacity,

@@ -46,41 +46,42 @@ def main(argv: list[str] | None = None) -> None:
     namespace = build_parser().parse_args(argv)
     gateway = settings.from_namespace(settings.GatewaySettings, namespace)
     try:
-        setup_logging(gateway.log_level, gateway.log_format)
+        setup_logging(gateway.observability.log_level, gateway.observability.log_format)
     except ValueError as exc:
         settings.refuse(f"llmgate gateway: {exc}")
     from gateway.dispatch.policies import POLICY_NAMES
 
-    if gateway.policy not in POLICY_NAMES:
+    if gateway.routing.policy not in POLICY_NAMES:
         settings.refuse(f"--policy must be one of {', '.join(POLICY_NAMES)}")
-    log.info("routing policy: %s", gateway.policy)
+    log.info("routing policy: %s", gateway.routing.policy)
     _check_keys(gateway)
     config = _check_config(gateway)
     from gateway.cache import merge_config
     from shared.cache_settings import check_cache_settings
 
     # The file's `cache:` is checked with the file; flags and env win over it.
-    cached = merge_config(gateway, config)
+    cached = merge_config(gateway.caching, config)
     problem = check_cache_settings(cached.cache, cached.cache_scope)
     if problem:
         settings.refuse(f"llmgate gateway: {problem}")
-    if gateway.state_db:
+    if gateway.store.state_db:
         from gateway.state import check_url
 
-        problem = check_url(gateway.state_db)
+        problem = check_url(gateway.store.state_db)
         if problem:
             settings.refuse(f"llmgate gateway: {problem}")
-    if gateway.limits and not gateway.limits.startswith(("redis://", "rediss://", "unix://")):
+    limits = gateway.tenants.limits
+    if limits and not limits.startswith(("redis://", "rediss://", "unix://")):
         settings.refuse("llmgate gateway: --limits takes redis://HOST:PORT/DB (empty: per process)")
-    if gateway.timeout_keep_alive < 1:
+    if gateway.http.timeout_keep_alive < 1:
         settings.refuse("llmgate gateway: --timeout-keep-alive must be at least 1 second")
-    if gateway.batch_lease_seconds < 3:
+    if gateway.batch.batch_lease_seconds < 3:
         settings.refuse("llmgate gateway: --batch-lease-seconds must be at least 3")
     # The app factory reads its settings from the environment, in this
     # process or in uvicorn's worker processes alike.
     os.environ.update(settings.to_environment(gateway))
     multiproc_dir = None
-    if gateway.processes > 1 and not os.environ.get(metrics.MULTIPROC_ENV):
+    if gateway.http.processes > 1 and not os.environ.get(metrics.MULTIPROC_ENV):
         multiproc_dir = tempfile.mkdtemp(prefix="llmgate-metrics-")
         os.environ[metrics.MULTIPROC_ENV] = multiproc_dir
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal under the
@@ -92,20 +93,20 @@ def main(argv: list[str] | None = None) -> None:
         uvicorn.run(
             "gateway.app:create_app_from_environment",
             factory=True,
-            host=gateway.host,
-            port=gateway.port,
-            workers=gateway.processes,
+            host=gateway.http.host,
+            port=gateway.http.port,
+            workers=gateway.http.processes,
             loop="uvloop",
             http="httptools",
-            log_level=gateway.log_level,
+            log_level=gateway.observability.log_level,
             # uvicorn's lines go through our handler (and format) too.
             log_config=None,
             access_log=False,
             # Nothing here reads the client's address or scheme, so uvicorn's
             # X-Forwarded-* rewriting would be work on every request for nothing.
             proxy_headers=False,
-            timeout_graceful_shutdown=int(gateway.drain_timeout),
-            timeout_keep_alive=gateway.timeout_keep_alive,
+            timeout_graceful_shutdown=int(gateway.http.drain_timeout),
+            timeout_keep_alive=gateway.http.timeout_keep_alive,
         )
     finally:
         if multiproc_dir:
@@ -118,8 +119,8 @@ def _check_keys(gateway: settings.GatewaySettings) -> None:
     from shared.curve_keys import gateway_curve
 
     try:
-        api_keys = load_api_keys(gateway)
-        curve = gateway_curve(gateway)
+        api_keys = load_api_keys(gateway.tenants)
+        curve = gateway_curve(gateway.link)
     except ValueError as exc:  # the messages never quote a key
         settings.refuse(f"llmgate gateway: {exc}")
     log.info(
@@ -127,7 +128,7 @@ def _check_keys(gateway: settings.GatewaySettings) -> None:
         f"{len(api_keys)} configured" if api_keys else "none (open)",
         "CURVE" if curve else "plaintext",
     )
-    if gateway.protect_metrics:
+    if gateway.tenants.protect_metrics:
         log.warning(
             "--protect-metrics (LLMGATE_PROTECT_METRICS) is deprecated and changes nothing: "
             "with API keys, /metrics always takes an admin key"
@@ -138,17 +139,18 @@ def _check_keys(gateway: settings.GatewaySettings) -> None:
 
 def _check_config(gateway: settings.GatewaySettings) -> Config | None:
     """Refuse to start on a bad --config file, naming its line and field."""
-    if not gateway.config:
+    path = gateway.routing.config
+    if not path:
         return None
     from shared.config import ConfigError, load
 
     try:
-        config = load(gateway.config)
+        config = load(path)
     except ConfigError as exc:
         settings.refuse(f"llmgate gateway: {exc}")
     log.info(
         "pools from %s: %s",
-        gateway.config,
+        path,
         ", ".join(f"{p.name} ({p.model_name}, tier {p.tier})" for p in config.pools),
     )
     return config

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from serve.plan import GATEWAY_FLAGS, SHARED_FLAGS, plan_children
+from serve.plan import SERVE_DECIDES, SHARED_FLAGS, plan_children
 from serve.supervisor import Supervisor
 from shared import settings
 from shared.cache_settings import check_cache_settings
@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         title=f"GatewaySettings, passed to the gateway (flags or {settings.ENV_PREFIX}* variables)",
         description=f"{' and '.join('--' + n.replace('_', '-') for n in SHARED_FLAGS)} go to "
         "the workers too; --workers is not taken: the gateway's workers are those serve starts.",
-        skip=set(settings.GatewaySettings.__struct_fields__) - set(GATEWAY_FLAGS),
+        skip=SERVE_DECIDES,
     )
     return parser
 
@@ -41,10 +41,13 @@ def main(argv: list[str] | None = None) -> None:
     namespace, engine_args = build_parser().parse_known_args(argv)
     serve = settings.from_namespace(settings.ServeSettings, namespace)
     try:
-        setup_logging(serve.log_level, serve.log_format)
+        setup_logging(serve.observability.log_level, serve.observability.log_format)
     except ValueError as exc:
         settings.refuse(f"llmgate serve: {exc}")
-    problem = check_cache_settings(serve.cache, serve.cache_scope)
+    # The gateway's settings as its own parser will read them (flags, then
+    # LLMGATE_* variables): its cache is checked before anything starts.
+    caching = settings.from_namespace(settings.GatewaySettings, namespace).caching
+    problem = check_cache_settings(caching.cache, caching.cache_scope)
     if problem:
         settings.refuse(f"llmgate serve: {problem}")
     children = plan_children(serve, namespace, engine_args)

@@ -44,12 +44,12 @@ from shared.redact import redact_url
 log = logging.getLogger(__name__)
 
 # The gateway's settings that ``llmgate serve`` takes as flags and hands to
-# its gateway: all but those serve decides itself (its own settings of the
-# same names, which it passes on as it needs, and the workers' addresses).
+# its gateway: all but those serve decides itself: the workers' addresses
+# (the workers it starts), and its own settings of the same names (the listen
+# address, the pools file, the observability group), which it passes on.
+SERVE_DECIDES = {"workers"} | {name for name, *_ in settings.fields(settings.ServeSettings)}
 GATEWAY_FLAGS = [
-    name
-    for name, *_ in settings.fields(settings.GatewaySettings)
-    if name not in {n for n, *_ in settings.fields(settings.ServeSettings)} | {"workers"}
+    name for name, *_ in settings.fields(settings.GatewaySettings) if name not in SERVE_DECIDES
 ]
 # Of those, the ones a worker has too go to the workers as well, as their
 # LLMGATE_* variables would (a drain or heartbeat setting is the system's).
@@ -254,17 +254,18 @@ def _worker_child(
         "--worker-id",
         f"worker-{index}",
         "--log-level",
-        serve.log_level.upper(),
+        serve.observability.log_level.upper(),
         "--log-format",
-        serve.log_format,
+        serve.observability.log_format,
     ]
     if pool:
         argv += ["--pool", pool]
     if serve.worker_metrics_port:
         argv += ["--metrics-port", str(serve.worker_metrics_port + index)]
-    if serve.otlp_endpoint and not any(a.startswith("--otlp-traces-endpoint") for a in engine_args):
+    otlp_endpoint = serve.observability.otlp_endpoint
+    if otlp_endpoint and not any(a.startswith("--otlp-traces-endpoint") for a in engine_args):
         # vLLM's own spans, in the trace the gateway starts for each request.
-        argv += ["--otlp-traces-endpoint", serve.otlp_endpoint]
+        argv += ["--otlp-traces-endpoint", otlp_endpoint]
     argv += engine_args
     return Child(
         name=f"worker-{index}",
@@ -294,25 +295,17 @@ def _gateway_child(
         "--port",
         str(serve.port),
         "--log-level",
-        serve.log_level,
+        serve.observability.log_level,
         "--log-format",
-        serve.log_format,
+        serve.observability.log_format,
     ]
     if serve.config:
         argv += ["--config", str(Path(serve.config).resolve())]
-    # The response cache and the state directory (batch jobs) are the gateway's.
-    argv += [
-        *("--cache-ttl", str(serve.cache_ttl)),
-        *("--cache-max-bytes", str(serve.cache_max_bytes), "--cache-scope", serve.cache_scope),
-        *("--state-dir", serve.state_dir),
-        *("--batch-max-inflight", str(serve.batch_max_inflight)),
-        # The gateway's own settings given to serve (GATEWAY_FLAGS).
-        *gateway_flags,
-    ]
-    # URLs (a Redis's, a collector's) may carry a password: not on a command line.
+    # The gateway's own settings given to serve (GATEWAY_FLAGS).
+    argv += gateway_flags
+    # A collector's URL may carry a password: not on a command line.
     env = dict(os.environ)
-    env[settings.env_name("cache")] = serve.cache
-    env[settings.env_name("otlp_endpoint")] = serve.otlp_endpoint
+    env[settings.env_name("otlp_endpoint")] = serve.observability.otlp_endpoint
     env.update(gateway_env or {})
     return Child(name="gateway", argv=argv, env=env, port=serve.port)
 
@@ -323,7 +316,8 @@ def plan_children(
     """The workers, then the gateway, from serve's parsed command line: the
     gateway's settings given (``GATEWAY_FLAGS``) go to the gateway, those a
     worker has too (``SHARED_FLAGS``) and the engine flags to every worker."""
-    if redact_url(serve.otlp_endpoint) != serve.otlp_endpoint:
+    otlp_endpoint = serve.observability.otlp_endpoint
+    if redact_url(otlp_endpoint) != otlp_endpoint:
         # It reaches vLLM as its --otlp-traces-endpoint flag, on the workers'
         # command lines.
         settings.refuse(

@@ -30,7 +30,7 @@ import zmq
 from zmq.auth.certs import load_certificate, load_certificates
 
 from shared import api_keys
-from shared.settings import GatewaySettings, WorkerSettings
+from shared.settings import LinkSettings, WorkerLinkSettings
 
 PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
@@ -117,7 +117,7 @@ def _load(path: str | Path) -> tuple[bytes, bytes | None]:
     return public, secret
 
 
-def gateway_curve(settings: GatewaySettings) -> CurveClient | None:
+def gateway_curve(settings: LinkSettings) -> CurveClient | None:
     """The gateway's CURVE client keys, or None for plaintext links."""
     own, server = settings.curve_gateway_key_file, settings.curve_worker_public_key_file
     if not own and not server:
@@ -130,7 +130,7 @@ def gateway_curve(settings: GatewaySettings) -> CurveClient | None:
     return CurveClient(public, secret, load_public_key(server))
 
 
-def worker_curve(settings: WorkerSettings) -> CurveServer | None:
+def worker_curve(settings: WorkerLinkSettings) -> CurveServer | None:
     """The worker's CURVE server keys, or None for a plaintext socket."""
     own, directory = settings.curve_worker_key_file, settings.curve_gateway_keys_dir
     if not own and not directory:

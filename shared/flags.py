@@ -1,9 +1,11 @@
 """Settings structs as command lines and environments: the machinery ``shared.settings`` uses.
 
-Each field of a msgspec settings struct becomes a flag ``--field-name`` and
-an environment variable ``LLMGATE_FIELD_NAME``; precedence is flag, then
-environment, then the default. The help text is the field's ``Meta``
-description. A process that refuses its settings exits with
+A settings struct (``Settings``) holds leaf settings and groups, one level
+deep: a group is a field that is a settings struct itself, one per component.
+Each leaf becomes a flag ``--field-name`` and an environment variable
+``LLMGATE_FIELD_NAME`` whatever group it sits in (leaf names are unique);
+precedence is flag, then environment, then the default. The help text is the
+field's ``Meta`` description. A process that refuses its settings exits with
 ``SETTINGS_ERROR_STATUS`` (``refuse``).
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Annotated, Any, NoReturn, TypeVar, get_args, get_origin, get_type_hints
 
 import msgspec
@@ -56,14 +58,74 @@ def _parse_bool(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"not a boolean: {value!r}")
 
 
-def fields(cls: type[msgspec.Struct]) -> list[tuple[str, type, Any, str]]:
-    """(name, type, default, help) for every setting of ``cls``."""
-    hints = get_type_hints(cls, include_extras=True)
+class Settings(msgspec.Struct, kw_only=True):
+    """A settings struct: leaf settings, and groups (fields that are settings
+    structs themselves, one per component). Every leaf's name is unique across
+    the groups: it is the flag and the variable, wherever the group sits."""
+
+    @classmethod
+    def of(cls: type[S], **values: Any) -> S:
+        """``cls`` from leaf settings by name, each put in its group (``build``)."""
+        return build(cls, values)
+
+
+def _hints(cls: type[msgspec.Struct]) -> dict[str, Any]:
+    return get_type_hints(cls, include_extras=True)
+
+
+def _is_group(kind: Any) -> bool:
+    return isinstance(kind, type) and issubclass(kind, msgspec.Struct)
+
+
+def groups(cls: type[msgspec.Struct]) -> list[tuple[str, type[msgspec.Struct]]]:
+    """(attribute, struct) of ``cls`` itself and each of its groups: "" for
+    ``cls``'s own leaves, then the groups in the order they are declared."""
+    hints = _hints(cls)
+    nested = [
+        (field.name, _base_type(hints[field.name]))
+        for field in msgspec.structs.fields(cls)
+        if _is_group(_base_type(hints[field.name]))
+    ]
+    return [("", cls), *nested]
+
+
+def own_fields(cls: type[msgspec.Struct]) -> list[tuple[str, type, Any, str]]:
+    """(name, type, default, help) for the leaf settings of ``cls``, not its groups'."""
+    hints = _hints(cls)
     out = []
     for field in msgspec.structs.fields(cls):
         annotation = hints[field.name]
-        out.append((field.name, _base_type(annotation), field.default, _description(annotation)))
+        if not _is_group(_base_type(annotation)):
+            out.append(
+                (field.name, _base_type(annotation), field.default, _description(annotation))
+            )
     return out
+
+
+def fields(cls: type[msgspec.Struct]) -> list[tuple[str, type, Any, str]]:
+    """(name, type, default, help) for every leaf setting of ``cls``, its groups' too."""
+    return [leaf for _, group in groups(cls) for leaf in own_fields(group)]
+
+
+def flatten(instance: msgspec.Struct) -> dict[str, Any]:
+    """Every leaf setting of ``instance`` by name, its groups' too."""
+    values = {name: getattr(instance, name) for name, *_ in own_fields(type(instance))}
+    for attribute, _ in groups(type(instance))[1:]:
+        values.update(flatten(getattr(instance, attribute)))
+    return values
+
+
+def build(cls: type[S], values: Mapping[str, Any]) -> S:
+    """``cls`` from leaf settings by name (the others at their defaults), each
+    put in its group; a name that is no leaf of ``cls`` is a TypeError."""
+    left = dict(values)
+    own = {name: left.pop(name) for name, *_ in own_fields(cls) if name in left}
+    for attribute, group in groups(cls)[1:]:
+        names = {name for name, *_ in fields(group)}
+        own[attribute] = build(group, {n: left.pop(n) for n in names & left.keys()})
+    if left:
+        raise TypeError(f"{cls.__name__} has no setting {', '.join(sorted(left))}")
+    return cls(**own)
 
 
 def add_arguments(
@@ -76,12 +138,20 @@ def add_arguments(
 ) -> None:
     """Add one flag per field of ``cls`` but those in ``skip``, in a help group
     named ``title``; defaults come from the environment first."""
-    group = parser.add_argument_group(
-        title or f"{cls.__name__} (flags or {ENV_PREFIX}* variables)", description
-    )
-    for name, kind, default, help_text in fields(cls):
-        if name in skip:
-            continue
+    for attribute, group_cls in groups(cls):
+        leaves = [leaf for leaf in own_fields(group_cls) if leaf[0] not in skip]
+        if leaves:
+            heading = title or f"{cls.__name__} (flags or {ENV_PREFIX}* variables)"
+            if attribute:
+                heading = f"{heading}: {attribute}"
+            # The description goes with the first group shown.
+            group = parser.add_argument_group(heading, description)
+            description = None
+            _add_leaves(group, leaves)
+
+
+def _add_leaves(group: argparse._ArgumentGroup, leaves: list[tuple[str, type, Any, str]]) -> None:
+    for name, kind, default, help_text in leaves:
         env = env_name(name)
         text = f"{help_text} [env {env}; default {default!r}]"
         if kind is bool:
@@ -131,11 +201,10 @@ class SettingsRefused(SystemExit):
 
 def to_environment(instance: msgspec.Struct) -> dict[str, str]:
     """``LLMGATE_*`` variables that reproduce ``instance`` (for child processes)."""
-    out = {}
-    for name, kind, _default, _help_text in fields(type(instance)):
-        value = getattr(instance, name)
-        out[env_name(name)] = ("1" if value else "0") if kind is bool else str(value)
-    return out
+    return {
+        env_name(name): ("1" if value else "0") if isinstance(value, bool) else str(value)
+        for name, value in flatten(instance).items()
+    }
 
 
 def from_environment(cls: type[S]) -> S:
@@ -157,4 +226,4 @@ def from_namespace(cls: type[S], namespace: argparse.Namespace) -> S:
             values[name] = _parse_bool(raw) if kind is bool else kind(raw)
         except (ValueError, argparse.ArgumentTypeError) as exc:
             refuse(f"invalid {env_name(name)}={raw!r}: {exc}")
-    return cls(**values)
+    return build(cls, values)

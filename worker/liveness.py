@@ -23,7 +23,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from shared import curve_keys, protocol
-from shared.settings import WorkerSettings
+from shared.settings import WorkerLinkSettings
 from shared.ticks import Ticks
 from shared.zmqio import Reader
 from worker.curve import first_in_a_minute
@@ -87,7 +87,7 @@ class Liveness:
         self,
         router: Router,
         engine: ModelEngine,
-        settings: WorkerSettings,
+        settings: WorkerLinkSettings,
         worker_id: str,
         incarnation: str,
     ) -> None:

@@ -95,9 +95,7 @@ def apply_cpu_defaults(namespace: argparse.Namespace) -> None:
     )
 
 
-def apply_busy_wait(
-    worker_settings: settings.WorkerSettings, environ: MutableMapping[str, str]
-) -> None:
+def apply_busy_wait(engine: settings.EngineSettings, environ: MutableMapping[str, str]) -> None:
     """On a CPU engine, vLLM's processes spin for at most ``--engine-busy-wait``
     seconds before they sleep (worker.engine_plugin reads the variable in each
     of them); on a GPU, vLLM's own window."""
@@ -105,12 +103,13 @@ def apply_busy_wait(
 
     from worker import engine_plugin
 
-    if not worker_settings.engine_busy_wait >= 0:  # NaN too
+    busy_wait = engine.engine_busy_wait
+    if not busy_wait >= 0:  # NaN too
         settings.refuse("llmgate worker: --engine-busy-wait must be at least 0")
     if not current_platform.is_cpu():
         environ.pop(engine_plugin.ENV, None)
         return
-    environ[engine_plugin.ENV] = str(worker_settings.engine_busy_wait)
+    environ[engine_plugin.ENV] = str(busy_wait)
     allowed = environ.get("VLLM_PLUGINS")
     if allowed is not None and engine_plugin.NAME not in allowed.split(","):
         log.warning(
@@ -121,7 +120,7 @@ def apply_busy_wait(
     log.info(
         "CPU engine: vLLM's processes spin at most %g s for the next step, then sleep "
         "(vLLM's own window: 1 s; --engine-busy-wait)",
-        worker_settings.engine_busy_wait,
+        busy_wait,
     )
 
 
@@ -147,7 +146,7 @@ def _main(argv: list[str] | None) -> None:
     _check_keys(worker_settings)
     apply_embedded_model_defaults(namespace)
     apply_cpu_defaults(namespace)
-    apply_busy_wait(worker_settings, os.environ)
+    apply_busy_wait(worker_settings.engine, os.environ)
     if namespace.lora_modules:
         namespace.enable_lora = True  # as `vllm serve` needs it for --lora-modules
     _check_serve_args(namespace)
@@ -156,7 +155,8 @@ def _main(argv: list[str] | None) -> None:
     from worker.prepare import Limits
     from worker.server import WorkerServer
 
-    limits = Limits(worker_settings.max_input_tokens, worker_settings.max_total_tokens)
+    engine_settings = worker_settings.engine
+    limits = Limits(engine_settings.max_input_tokens, engine_settings.max_total_tokens)
 
     async def run() -> None:
         engine = Engine(namespace, limits)
@@ -192,7 +192,7 @@ def _check_keys(worker_settings: settings.WorkerSettings) -> None:
     from shared.curve_keys import KeyFileError, worker_curve
 
     try:
-        worker_curve(worker_settings)
+        worker_curve(worker_settings.link)
     except KeyFileError as exc:
         settings.refuse(f"llmgate worker: {exc}")
 

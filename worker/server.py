@@ -44,9 +44,9 @@ class WorkerServer:
     def __init__(self, settings: WorkerSettings, engine: ModelEngine) -> None:
         self.settings = settings
         self.engine = engine
-        self.worker_id = settings.worker_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.worker_id = settings.link.worker_id or f"{socket.gethostname()}:{os.getpid()}"
         self.ctx = zmq.asyncio.Context()
-        self.curve = curve_keys.worker_curve(settings)
+        self.curve = curve_keys.worker_curve(settings.link)
         self.sock = make_router(self.ctx, self.curve)
         # Read and written as a plain socket from the loop's poller (shared.zmqio).
         self.raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.sock.underlying)
@@ -60,7 +60,7 @@ class WorkerServer:
         self._flush_scheduled = False
         self.draining = False
         self._stop = asyncio.Event()
-        self.liveness = Liveness(self, engine, settings, self.worker_id, uuid.uuid4().hex)
+        self.liveness = Liveness(self, engine, settings.link, self.worker_id, uuid.uuid4().hex)
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -69,11 +69,11 @@ class WorkerServer:
         # lets every client in.
         authenticator = start_authenticator(self.ctx, self.curve) if self.curve else None
         monitor = self.sock.get_monitor_socket(curve_keys.HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED)
-        self.sock.bind(self.settings.bind)
+        self.sock.bind(self.settings.link.bind)
         log.info(
             "worker %s bound %s (%s), serving %s",
             self.worker_id,
-            self.settings.bind,
+            self.settings.link.bind,
             "CURVE" if self.curve else "plaintext",
             self.engine.served_model_names,
         )

@@ -34,7 +34,6 @@ class Accounting:
         known_models: Container[str],
         context: RequestContext,
         ledger: Ledger | None = None,
-        started: float | None = None,
     ) -> None:
         self.span = span
         # The requested model: a metrics label only if a worker ever served it
@@ -46,7 +45,7 @@ class Accounting:
         # hold on the key's limits; the usage ledger (``gateway.state.ledger``).
         self.context = context
         self.ledger = ledger
-        self.started = time.monotonic() if started is None else started
+        self.started = time.monotonic()
         self.done = False
 
     def first_chunk(self, now: float) -> None:

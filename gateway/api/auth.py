@@ -43,7 +43,7 @@ from gateway.context import context_of
 from gateway.endpoints import render
 from shared import api_keys, routes
 from shared.api_keys import KeyEntry
-from shared.settings import GatewaySettings
+from shared.settings import TenantSettings
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ _NOT_ADMIN = errors.AdminOnly(
 )
 
 
-def load_api_keys(settings: GatewaySettings) -> list[KeyEntry]:
+def load_api_keys(settings: TenantSettings) -> list[KeyEntry]:
     """Every configured key: ``--api-keys`` and those of ``--api-keys-file``
     (ValueError, never quoting a key, for a file that cannot be used, or for a
     key, name or id given twice: one would own, or show as, the other's)."""
@@ -78,7 +78,7 @@ def load_api_keys(settings: GatewaySettings) -> list[KeyEntry]:
 class KeyRing:
     """The configured keys by digest, re-read from ``--api-keys-file`` when it changes."""
 
-    def __init__(self, settings: GatewaySettings) -> None:
+    def __init__(self, settings: TenantSettings) -> None:
         self.settings = settings
         self.path = Path(settings.api_keys_file) if settings.api_keys_file else None
         self._stamp = self._stat()
@@ -87,7 +87,7 @@ class KeyRing:
 
     @classmethod
     def of(cls, keys: list[str]) -> KeyRing:
-        return cls(GatewaySettings(api_keys=",".join(keys)))
+        return cls(TenantSettings(api_keys=",".join(keys)))
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -35,12 +35,13 @@ def cache_step(cache: ResponseCache | None, route: str, kind: str) -> CacheStep 
     OpenAI's routes, not vLLM's own answers (the cache stores our deltas)."""
     if cache is None or route not in CACHED_ROUTES or kind == "vllm":
         return None
-    return CacheStep(cache)
+    return CacheStep(cache, kind)
 
 
 class CacheStep:
-    def __init__(self, cache: ResponseCache) -> None:
+    def __init__(self, cache: ResponseCache, kind: str) -> None:
         self.cache = cache
+        self.kind = kind  # completion or chat: part of the key
         self.result = ""  # hit, miss or bypass: the response header
         self.key = ""
         # A hit's usage, as its client is given it.
@@ -51,7 +52,6 @@ class CacheStep:
     async def look_up(
         self,
         pool: Pool,
-        kind: str,
         served_model: str,
         body: dict[str, Any],
         cache_control: str | None,
@@ -61,7 +61,7 @@ class CacheStep:
         """The stored answer, replayed through ``builder``; None to compute it
         (recording it into ``recorded`` if it may be kept)."""
         workers = pool.healthy_workers()
-        entry = await self._find(kind, served_model, body, cache_control, workers)
+        entry = await self._find(served_model, body, cache_control, workers)
         if entry is None:
             return None
         self.usage = entry.usage
@@ -71,7 +71,6 @@ class CacheStep:
 
     async def _find(
         self,
-        kind: str,
         served_model: str,
         body: dict[str, Any],
         cache_control: str | None,
@@ -83,7 +82,7 @@ class CacheStep:
         if not (wanted.read or wanted.write) or not in_scope(body, self.cache.scope):
             self._count("bypass")
             return None
-        self.key = key_for(kind, served_model, body)
+        self.key = key_for(self.kind, served_model, body)
         if wanted.read:
             entry = await self.cache.get(self.key)
             if entry is not None and _fresh(entry, workers):

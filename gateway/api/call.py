@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -84,8 +83,7 @@ class Call:
         self.context = context_of(self.request.scope)
         # Log lines about this request name it (shared.logs).
         self.log_extra = {"request_id": self.request_id}
-        started = time.monotonic()
-        self.deadline = deadline(self.request, self.settings.request_timeout)
+        self.deadline = deadline(self.request, self.settings.http.request_timeout)
         self.builder.include_usage = self.body.include_usage
         # The response is named by the client's id (a retry's wire id has a suffix).
         self.builder.id = self.builder.id_prefix + self.request_id
@@ -108,7 +106,6 @@ class Call:
             self.pool.known_models,
             self.context,
             services.ledger,
-            started,
         )
         # The request's attempts on workers, once it has any.
         self.attempts: Attempts | None = None
@@ -117,7 +114,7 @@ class Call:
         key = None
         if self.pool.uses_key:
             session = header(self.request, SESSION_HEADER) or self.body.user
-            key = session if session else key_of(self.settings.prefix_chars)
+            key = session if session else key_of(self.settings.routing.prefix_chars)
         # Until the response starts, a client that leaves cancels this task:
         # waiting in the queue, for its worker, or for the first token.
         watch = DisconnectWatch(self.request)
@@ -139,7 +136,6 @@ class Call:
             if self.cached is not None:
                 hit = await self.cached.look_up(
                     self.pool,
-                    self.kind,
                     self.target.model,
                     self.raw,
                     header(self.request, b"cache-control"),
@@ -183,7 +179,7 @@ class Call:
             key=key,
             builder=self.builder,
             span=self.account.span,
-            max_retries=self.settings.max_retries,
+            max_retries=self.settings.routing.max_retries,
             # The worker's output as it comes, while the answer may be cached.
             recorded=self.cached.recorded if self.cached is not None else None,
             low_priority=self.context.low_priority,
@@ -197,8 +193,7 @@ class Call:
                 self.kind,
                 self.raw,
                 self.builder,
-                attempts.run,
-                attempts.forget_output,
+                attempts,
                 self.log_extra,
             )
         else:
@@ -220,9 +215,7 @@ class Call:
                 choices = len(self.builder.choices)
                 await self.cached.store(usage, choices, handle.answered_by, headers)
 
-        body = relay(
-            handle, first, self.builder, self.account, attempts.recorded, store, self.log_extra
-        )
+        body = relay(handle, first, self.builder, self.account, attempts.recorded, store)
         return EventStream(
             body,
             release=lambda: self._release_stream(handle),

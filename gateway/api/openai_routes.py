@@ -44,7 +44,7 @@ async def list_models(request: Request) -> Response:
 
 
 async def create_completion(request: Request) -> Response:
-    settings = services_of(request).settings
+    settings = services_of(request).settings.http
     raw = schemas.decode_body(await read_body(request, settings.max_body_bytes))
     body = schemas.validate(raw, schemas.CompletionRequest)
     schemas.check_limits(body, settings)
@@ -56,7 +56,7 @@ async def create_completion(request: Request) -> Response:
 
 
 async def create_chat_completion(request: Request) -> Response:
-    settings = services_of(request).settings
+    settings = services_of(request).settings.http
     raw = schemas.decode_body(await read_body(request, settings.max_body_bytes))
     body = schemas.validate(raw, schemas.ChatCompletionRequest)
     schemas.check_limits(body, settings)

@@ -31,7 +31,6 @@ async def relay(
     account: Accounting,
     recorded: list[protocol.Delta] | None,
     store: Callable[[protocol.Usage], Awaitable[None]],
-    log_extra: dict[str, str],
 ) -> AsyncIterator[bytes]:
     """The events of ``handle``'s output from ``first`` on, through ``builder``.
 
@@ -39,6 +38,8 @@ async def relay(
     answer; ``store(usage)`` stores it once it finished normally.
     """
     include_usage = builder.include_usage
+    # Log lines about the stream name its request (shared.logs).
+    log_extra = {"request_id": account.context.request_id}
     item: Item = first
     last_chunk = 0.0
     status = 200

@@ -33,7 +33,7 @@ async def compat_generate(request: Request) -> Response:
 
 async def _serve(request: Request, route: str, stream: bool | None) -> Response:
     pool = services_of(request).pool
-    settings = services_of(request).settings
+    settings = services_of(request).settings.http
     raw = schemas.decode_body(await read_body(request, settings.max_body_bytes))
     body = schemas.validate(raw, tgi.GenerateRequest)
     tgi.check_supported(body.parameters)

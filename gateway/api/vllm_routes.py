@@ -61,7 +61,7 @@ def _poster(path: str) -> Callable[[Request], Awaitable[Response]]:
 
     async def post(request: Request) -> Response:
         raw = schemas.decode_body(
-            await read_body(request, services_of(request).settings.max_body_bytes)
+            await read_body(request, services_of(request).settings.http.max_body_bytes)
         )
         return await forward(request, path, raw)
 
@@ -83,7 +83,7 @@ async def ping_post(request: Request) -> Response:
 
 async def create_response(request: Request) -> Response:
     raw = schemas.decode_body(
-        await read_body(request, services_of(request).settings.max_body_bytes)
+        await read_body(request, services_of(request).settings.http.max_body_bytes)
     )
     store = services_of(request).store
     await responses.check_id(store, raw, context_of(request.scope).owner)

@@ -17,7 +17,7 @@ from starlette.types import ASGIApp
 from gateway.api.auth import KeyRing
 from gateway.batch.runner import Runner
 from gateway.state import State
-from shared.settings import GatewaySettings
+from shared.settings import BatchSettings
 
 
 @dataclass
@@ -33,7 +33,7 @@ class Batches:
 
 
 def start(
-    settings: GatewaySettings,
+    settings: BatchSettings,
     store: State,
     app: ASGIApp,
     capacity: Callable[[], int],
@@ -52,9 +52,8 @@ def start(
         app,
         capacity,
         interactive_since,
-        settings.batch_max_inflight,
+        settings,
         keys,
-        settings.batch_lease_seconds,
     )
     runner.start()
     return Batches(store, runner, settings.max_file_bytes)

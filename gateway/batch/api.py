@@ -99,7 +99,7 @@ async def create_file(request: Request) -> Response:
     await asyncio.to_thread(jsonl.parse, data)  # refused now, not when a batch is created
     expires_at = _expires_at(form.get("expires_after[anchor]"), form.get("expires_after[seconds]"))
     owner = context.owner
-    quota = services.settings.file_quota_bytes
+    quota = services.settings.tenants.file_quota_bytes
     if owner is not None and quota:
         # Two uploads at once may both fit and together pass it, by one file at most.
         stored = await store.call(store.files.uploaded_bytes, owner)

@@ -53,15 +53,13 @@ from gateway.state import State, Unavailable
 from gateway.state.batches import ACTIVE, STATUSES, Batches, Ending, output_line
 from gateway.state.db import owner_name
 from gateway.state.lines import Claimed, Line
+from shared.settings import BatchSettings
 
 log = logging.getLogger(__name__)
 
 # How often the runner looks for new, cancelled or ended jobs when nothing
 # wakes it (a job created through another gateway process or replica).
 POLL_SECONDS = 1.0
-# A line's lease (--batch-lease-seconds): renewed every third of it while
-# the line runs, so a replica that dies holds its lines at most this long.
-LEASE_SECONDS = 30.0
 # Pauses between tries of a line the gateway could not take (429, 503).
 RETRY_PAUSES = (1.0, 2.0, 5.0, 10.0, 30.0)
 RETRIED_STATUSES = frozenset({429, 503})
@@ -97,9 +95,8 @@ class Runner:
         app: ASGIApp,
         capacity: Callable[[], int],
         interactive_since: Callable[[], float],
-        max_inflight: int,
+        settings: BatchSettings,
         keys: KeyRing | None = None,
-        lease_seconds: float = LEASE_SECONDS,
     ) -> None:
         self.state = state
         self.app = app
@@ -109,8 +106,10 @@ class Runner:
         # the last interactive request (Pool.interactive_since): the default cap.
         self.capacity = capacity
         self.interactive_since = interactive_since
-        self.max_inflight = max_inflight
-        self.lease_seconds = lease_seconds
+        self.max_inflight = settings.batch_max_inflight
+        # A line's lease: renewed every third of it while the line runs, so a
+        # replica that dies holds its lines at most this long.
+        self.lease_seconds = settings.batch_lease_seconds
         # This runner among all replicas' (a restarted process is a new owner).
         self.owner = f"{owner_name()}:{secrets.token_hex(3)}"
         self.jobs: dict[str, Job] = {}

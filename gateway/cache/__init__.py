@@ -23,7 +23,7 @@ from shared.redact import redact_url
 
 if TYPE_CHECKING:
     from shared.config import Config
-    from shared.settings import GatewaySettings
+    from shared.settings import CacheSettings
 
 __all__ = [
     "SCOPES",
@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 
-def merge_config(settings: GatewaySettings, config: Config | None) -> GatewaySettings:
+def merge_config(settings: CacheSettings, config: Config | None) -> CacheSettings:
     """``settings`` with the pools file's ``cache:`` section filling in each cache
     setting that flags and environment left at its default: they win."""
     section = config.cache if config is not None else None
@@ -59,17 +59,18 @@ def merge_config(settings: GatewaySettings, config: Config | None) -> GatewaySet
     return msgspec.structs.replace(settings, **changes)
 
 
-def open_cache(url: str, ttl: float, max_bytes: int, scope: str) -> ResponseCache | None:
+def open_cache(settings: CacheSettings) -> ResponseCache | None:
     """The cache ``--cache`` asks for; None when it is off."""
+    url = settings.cache
     if not url:
         return None
     store: Store
     if url == "memory":
-        store = MemoryStore(max_bytes)
+        store = MemoryStore(settings.cache_max_bytes)
         name = "memory"
     else:
         from gateway.cache.redis_store import RedisStore
 
         store = RedisStore(url)
         name = redact_url(url)
-    return ResponseCache(store, ttl, cast(Scope, scope), name)
+    return ResponseCache(store, settings.cache_ttl, cast(Scope, settings.cache_scope), name)

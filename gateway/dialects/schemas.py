@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 
 from gateway.errors import BadRequest
-from shared.settings import GatewaySettings
+from shared.settings import HttpSettings
 
 T = TypeVar("T", bound=msgspec.Struct)
 
@@ -111,7 +111,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
             raise ValueError("top_logprobs requires logprobs to be true")
 
 
-def check_limits(body: _Sampling, settings: GatewaySettings) -> None:
+def check_limits(body: _Sampling, settings: HttpSettings) -> None:
     """Refuse what this server's limits forbid (TGI's flags), naming limit and value."""
     if body.n > settings.max_n:
         raise BadRequest(

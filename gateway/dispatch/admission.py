@@ -55,7 +55,7 @@ from gateway.dispatch.policies import Policy, RoutingContext
 from gateway.dispatch.slots import Slots
 from gateway.dispatch.work import WorkOrder
 from gateway.dispatch.workers import Worker, Workers
-from shared.settings import GatewaySettings
+from shared.settings import AdmissionSettings
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class _PoolQueue:
 
 
 class Admission:
-    def __init__(self, settings: GatewaySettings, workers: Workers, policy: Policy) -> None:
+    def __init__(self, settings: AdmissionSettings, workers: Workers, policy: Policy) -> None:
         self.settings = settings
         self.workers = workers
         self.policy = policy

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from gateway import metrics
 from gateway.dialects import sse
@@ -29,6 +28,7 @@ from shared import protocol
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 
 def applies(target: Target, kind: protocol.RequestKind) -> bool:
@@ -37,24 +37,31 @@ def applies(target: Target, kind: protocol.RequestKind) -> bool:
     return target.escalate_to is not None and kind != "vllm"
 
 
+class Runs(Protocol[T_co]):
+    """How a cascade runs the request (``gateway.api.attempts.Attempts``)."""
+
+    async def run(self, target: Target, body: dict[str, Any]) -> T_co:
+        """Run the request to its end on ``target``, its output in the builder."""
+        ...
+
+    def forget_output(self) -> None:
+        """Drop that output before the escalation runs."""
+        ...
+
+
 async def run(
     target: Target,
     kind: protocol.RequestKind,
     raw: dict[str, Any],
     builder: sse.ResponseBuilder,
-    attempts: Callable[[Target, dict[str, Any]], Awaitable[T]],
-    forget: Callable[[], None],
+    attempts: Runs[T],
     log_extra: dict[str, str] | None = None,
 ) -> tuple[T, str]:
     """The answer the client gets, and the cascade's outcome: "accepted" (the
-    default model's answer was good enough) or "escalated".
-
-    ``attempts(target, body)`` runs the request to its end, its output in
-    ``builder``; ``forget()`` drops that output before the escalation runs.
-    """
+    default model's answer was good enough) or "escalated"."""
     escalate_to = target.escalate_to
     assert escalate_to is not None
-    answer = await attempts(target, with_logprobs(kind, raw))
+    answer = await attempts.run(target, with_logprobs(kind, raw))
     reason = shortfall(builder, raw, target.min_mean_logprob)
     if reason is None:
         metrics.CASCADE.labels("accepted").inc()
@@ -67,9 +74,9 @@ async def run(
         extra=log_extra,
     )
     metrics.CASCADE.labels("escalated").inc()
-    forget()
+    attempts.forget_output()
     escalated = Target(escalate_to.model, escalate_to.tiers, rule=target.rule)
-    return await attempts(escalated, raw), "escalated"
+    return await attempts.run(escalated, raw), "escalated"
 
 
 def with_logprobs(kind: protocol.RequestKind, raw: dict[str, Any]) -> dict[str, Any]:

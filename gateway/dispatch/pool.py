@@ -37,7 +37,7 @@ from gateway.dispatch.transport import WorkerLink
 from gateway.dispatch.work import WorkOrder
 from gateway.dispatch.workers import Worker, Workers
 from shared import protocol
-from shared.settings import GatewaySettings
+from shared.settings import AdmissionSettings, LinkSettings, RoutingSettings
 
 log = logging.getLogger(__name__)
 
@@ -69,25 +69,28 @@ class _Attempt:
 class Pool:
     def __init__(
         self,
-        settings: GatewaySettings,
+        link: LinkSettings | None = None,
+        admission: AdmissionSettings | None = None,
+        routing: RoutingSettings | None = None,
         policy: Policy | None = None,
         models: Models | None = None,
     ) -> None:
-        self.settings = settings
+        link = link or LinkSettings()
+        routing = routing or RoutingSettings()
         self._policy = policy or make_policy(
-            settings.policy, settings.prefix_load_factor, settings.prefix_load_slack
+            routing.policy, routing.prefix_load_factor, routing.prefix_load_slack
         )
         # Model names, aliases, auto, pools and tiers (--config).
-        self.names = models if models is not None else Models.from_file(settings.config)
+        self.names = models if models is not None else Models.from_file(routing.config)
         self.gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
         self.started_at = int(time.time())
         # The workers tell the pool what happens to them (WorkerEvents below).
         self.workers = Workers(
-            settings, self.gateway_id, events=self, pool_of_address=self.names.pool_of_address()
+            link, self.gateway_id, events=self, pool_of_address=self.names.pool_of_address()
         )
-        self.admission = Admission(settings, self.workers, self._policy)
+        self.admission = Admission(admission or AdmissionSettings(), self.workers, self._policy)
         self.discovery = Discovery(
-            _worker_addresses(settings, self.names), settings.resolve_interval, self.workers.sync
+            _worker_addresses(link, self.names), link.resolve_interval, self.workers.sync
         )
         # Requests sent to a worker and not yet closed, by the id the worker knows.
         self.pending: dict[str, _Attempt] = {}
@@ -307,12 +310,12 @@ class Pool:
         self.admission.wake()
 
 
-def _worker_addresses(settings: GatewaySettings, models: Models) -> str:
+def _worker_addresses(link: LinkSettings, models: Models) -> str:
     """``--workers``, and the addresses the config's pools list (those alone when
     ``--workers`` is left at its default)."""
     listed = models.addresses()
     if not listed:
-        return settings.workers
-    if settings.workers == GatewaySettings().workers:
+        return link.workers
+    if link.workers == LinkSettings().workers:
         return ",".join(listed)
-    return ",".join([settings.workers, *listed])
+    return ",".join([link.workers, *listed])

@@ -16,11 +16,11 @@ from collections.abc import Collection
 from gateway import errors, metrics
 from gateway.dispatch.models import Target, Tier
 from gateway.dispatch.workers import Worker, Workers
-from shared.settings import GatewaySettings
+from shared.settings import AdmissionSettings
 
 
 class Slots:
-    def __init__(self, settings: GatewaySettings, workers: Workers) -> None:
+    def __init__(self, settings: AdmissionSettings, workers: Workers) -> None:
         self.settings = settings
         self.workers = workers
 

@@ -1,9 +1,9 @@
 """ZeroMQ links from this gateway process to the workers: one DEALER socket each.
 
 A link only moves messages: it encodes what it is given, and hands every
-decoded message it receives to a callback (read by :class:`shared.zmqio.Reader`
-from the event loop's poller). What the messages mean is the
-pool's business (``gateway.dispatch.pool``).
+decoded message it receives to a callback (:class:`LinkEvents`; read by
+:class:`shared.zmqio.Reader` from the event loop's poller). What the messages
+mean is the pool's business (``gateway.dispatch.pool``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,17 @@ log = logging.getLogger(__name__)
 OnMessage = Callable[["WorkerLink", protocol.ToGateway], None]
 OnLinkEvent = Callable[["WorkerLink"], None]
 
+
+class LinkEvents(msgspec.Struct, frozen=True):
+    """What a link calls: with each message it receives; when its connection
+    drops or a send is refused (``on_disconnect``); when its handshake is done
+    (``on_connect``)."""
+
+    on_message: OnMessage
+    on_disconnect: OnLinkEvent | None = None
+    on_connect: OnLinkEvent | None = None
+
+
 # libzmq gives up on a link whose key the worker refused; we dial again this
 # often, so a gateway whose key is authorized later joins without a restart.
 REDIAL_AFTER_REFUSAL = 10.0
@@ -38,9 +49,7 @@ class WorkerLink:
         ctx: zmq.Context[zmq.Socket[bytes]],
         address: str,
         identity: bytes,
-        on_message: OnMessage,
-        on_disconnect: OnLinkEvent | None = None,
-        on_connect: OnLinkEvent | None = None,
+        events: LinkEvents,
         curve: CurveClient | None = None,
     ) -> None:
         self.address = address
@@ -62,9 +71,9 @@ class WorkerLink:
         # To recognise our own pings coming back (a TCP self-connect).
         self._worker_decoder = protocol.worker_decoder()
         self._gateway_id = identity.decode(errors="replace")
-        self._on_message = on_message
-        self._on_disconnect = on_disconnect
-        self._on_connect = on_connect
+        self._on_message = events.on_message
+        self._on_disconnect = events.on_disconnect
+        self._on_connect = events.on_connect
         self._reader: Reader[bytes] = Reader(self.sock, self._on_frame, multipart=False)
         # When the last message of any kind came: a worker streaming output
         # lives, even if its heartbeat is late behind that output.
@@ -74,7 +83,7 @@ class WorkerLink:
         self._handshake_failing = False
         self._redial: asyncio.Task[None] | None = None
         self._monitor: Reader[list[bytes]] | None = None
-        if on_disconnect is not None or on_connect is not None:
+        if events.on_disconnect is not None or events.on_connect is not None:
             # A crashed worker's TCP connection drops at once: learning that from
             # ZMQ's socket monitor beats waiting out the heartbeat timeout. And a
             # finished handshake is the first moment a message can be sent

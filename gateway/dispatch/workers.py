@@ -35,9 +35,9 @@ import zmq
 from prometheus_client import Gauge
 
 from gateway import metrics
-from gateway.dispatch.transport import WorkerLink
+from gateway.dispatch.transport import LinkEvents, WorkerLink
 from shared import curve_keys, protocol
-from shared.settings import GatewaySettings
+from shared.settings import LinkSettings
 from shared.ticks import Ticks
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class Workers:
 
     def __init__(
         self,
-        settings: GatewaySettings,
+        settings: LinkSettings,
         gateway_id: str,
         events: WorkerEvents,
         pool_of_address: Mapping[str, str] | None = None,
@@ -129,6 +129,7 @@ class Workers:
         self.known_models: set[str] = set()
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._curve = curve_keys.gateway_curve(settings)  # None: plaintext links
+        self._link_events = LinkEvents(self._dispatch, self._on_disconnect, self._on_connect)
         self._events = events
         self._any_healthy = asyncio.Event()
 
@@ -163,9 +164,7 @@ class Workers:
                 self.ctx,
                 address,
                 self.gateway_id.encode(),
-                self._dispatch,
-                on_disconnect=self._on_disconnect,
-                on_connect=self._on_connect,
+                self._link_events,
                 curve=self._curve,
             )
             self.by_address[address] = Worker(link=link)

@@ -34,7 +34,7 @@ from gateway.state.files import Files
 from gateway.state.ledger import Ledger
 from gateway.state.response_store import Responses
 from gateway.state.usage import Usage
-from shared.settings import GatewaySettings, resolve_state_dir
+from shared.settings import StoreSettings, resolve_state_dir
 
 __all__ = ["Batches", "Database", "Files", "Ledger", "Responses", "State", "Unavailable", "Usage"]
 
@@ -49,7 +49,7 @@ T = TypeVar("T")
 
 
 class State:
-    def __init__(self, settings: GatewaySettings) -> None:
+    def __init__(self, settings: StoreSettings) -> None:
         # A bad --state-db URL is a configuration error: raised (ValueError).
         self.db = Database(settings.state_db, resolve_state_dir(settings.state_dir))
         self.shared = bool(settings.state_db)

@@ -335,11 +335,11 @@ def test_the_cache_settings_reach_the_gateway_and_default_to_the_codes(
     `redis` profile's service on the gateway's network."""
     from shared import settings
 
-    defaults = GatewaySettings()
+    defaults = GatewaySettings().caching
     env = committed["services"]["gateway"]["environment"]
     for key in ("LLMGATE_CACHE", "LLMGATE_CACHE_TTL", "LLMGATE_CACHE_SCOPE"):
         monkeypatch.setenv(key, str(env[key]))
-    parsed = settings.from_environment(GatewaySettings)
+    parsed = settings.from_environment(GatewaySettings).caching
     assert (parsed.cache, parsed.cache_ttl, parsed.cache_scope) == (
         defaults.cache,
         defaults.cache_ttl,

@@ -19,7 +19,7 @@ from gateway.dispatch.policies.round_robin import RoundRobin
 from gateway.dispatch.work import WorkOrder
 from gateway.dispatch.workers import Worker, Workers
 from shared import protocol
-from shared.settings import GatewaySettings
+from shared.settings import AdmissionSettings, LinkSettings
 from tests.gateway.test_liveness import NoEvents
 from tests.gateway.test_pool import Link
 
@@ -28,14 +28,14 @@ M = Target("m", (Tier("", "m"),))
 
 @pytest.fixture
 def workers() -> Iterator[Workers]:
-    known = Workers(GatewaySettings(startup_timeout=0.01), "gw", events=NoEvents())
+    known = Workers(LinkSettings(startup_timeout=0.01), "gw", events=NoEvents())
     yield known
     known.ctx.term()
 
 
 def admission(workers: Workers, **settings: Any) -> Admission:
     merged = {"queue_timeout": 30.0, **settings}
-    return Admission(GatewaySettings(**merged), workers, RoundRobin())
+    return Admission(AdmissionSettings(**merged), workers, RoundRobin())
 
 
 def add(workers: Workers, name: str, capacity: int, model: str = "m") -> Worker:

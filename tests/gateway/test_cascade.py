@@ -55,14 +55,14 @@ class Runs:
         self.runs: list[tuple[Target, dict[str, Any]]] = []
         self.forgotten = 0
 
-    async def attempts(self, target: Target, raw: dict[str, Any]) -> str:
+    async def run(self, target: Target, raw: dict[str, Any]) -> str:
         self.runs.append((target, raw))
         text, logprob = self.answers.pop(0)
         token = protocol.TokenLogprob(token=text, logprob=logprob)
         self.builder.add(protocol.Delta("r", 0, text, 1, logprobs=[token]))
         return f"answered by {target.model}"
 
-    def forget(self) -> None:
+    def forget_output(self) -> None:
         self.forgotten += 1
         self.builder.reset()
 
@@ -71,9 +71,7 @@ async def test_a_good_enough_cheap_answer_is_kept_after_one_run() -> None:
     builder = sse.Completion("r", "auto", 1, None)
     runs = Runs(builder, ("Paris", -0.1))
     raw = {"prompt": "Capital of France?"}
-    answer, outcome = await cascade.run(
-        CHEAP, "completion", raw, builder, runs.attempts, runs.forget
-    )
+    answer, outcome = await cascade.run(CHEAP, "completion", raw, builder, runs)
     assert (answer, outcome) == ("answered by cheap", "accepted")
     assert runs.runs == [(CHEAP, {**raw, "logprobs": 0})] and runs.forgotten == 0
 
@@ -82,9 +80,7 @@ async def test_an_unsure_answer_is_forgotten_and_the_escalation_target_answers()
     builder = sse.Completion("r", "auto", 1, None)
     runs = Runs(builder, ("Lyon", -3.0), ("Paris", -0.1))
     raw = {"prompt": "Capital of France?"}
-    answer, outcome = await cascade.run(
-        CHEAP, "completion", raw, builder, runs.attempts, runs.forget
-    )
+    answer, outcome = await cascade.run(CHEAP, "completion", raw, builder, runs)
     assert (answer, outcome) == ("answered by big", "escalated")
     assert runs.forgotten == 1 and "".join(builder.choices[0].text) == "Paris"
     (_, first), (escalated, second) = runs.runs

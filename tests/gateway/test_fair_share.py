@@ -27,7 +27,7 @@ from gateway.dispatch.work import WorkOrder
 from gateway.dispatch.workers import Worker, Workers
 from shared import routes
 from shared.api_keys import KeyEntry
-from shared.settings import GatewaySettings
+from shared.settings import GatewaySettings, LinkSettings, RoutingSettings
 from tests.gateway.api.test_attempts import answer, sent_to
 from tests.gateway.test_admission import M, add, admission
 from tests.gateway.test_liveness import NoEvents
@@ -38,7 +38,7 @@ TIER = M.tiers[0]
 
 @pytest.fixture
 def workers() -> Iterator[Workers]:
-    known = Workers(GatewaySettings(startup_timeout=0.01), "gw", events=NoEvents())
+    known = Workers(LinkSettings(startup_timeout=0.01), "gw", events=NoEvents())
     yield known
     known.ctx.term()
 
@@ -234,7 +234,7 @@ def test_a_key_arriving_when_none_is_active_starts_where_the_last_left_off() -> 
 
 def _call(pool: Pool, key: KeyEntry | None) -> Call:
     services = SimpleNamespace(
-        pool=pool, settings=pool.settings, cache=None, limits=None, ledger=None
+        pool=pool, settings=GatewaySettings(), cache=None, limits=None, ledger=None
     )
     app = SimpleNamespace(services=services)
     scope: dict[str, Any] = {
@@ -257,7 +257,7 @@ def _call(pool: Pool, key: KeyEntry | None) -> Call:
 
 
 async def test_a_request_goes_to_admission_as_its_key_and_a_batch_key_at_low_priority() -> None:
-    pool = Pool(GatewaySettings())
+    pool = Pool()
     try:
         interactive = KeyEntry(name="team-a", key_sha256="0" * 64)
         batch = KeyEntry(name="nightly", key_sha256="1" * 64, priority="batch")
@@ -273,7 +273,7 @@ async def test_a_request_goes_to_admission_as_its_key_and_a_batch_key_at_low_pri
 
 
 async def test_the_pool_charges_a_request_its_usage_as_the_worker_reports_it() -> None:
-    pool = Pool(GatewaySettings(policy="round-robin"))
+    pool = Pool(routing=RoutingSettings(policy="round-robin"))
     try:
         worker = healthy_worker(pool, "a")
         handle = await pool.submit(WorkOrder("r", "completion", "m", {}, 0.0, tenant="team-a"))

@@ -12,7 +12,6 @@ from gateway.dispatch.models import Models
 from gateway.dispatch.pool import Pool
 from gateway.dispatch.work import WorkOrder
 from shared import config, protocol
-from shared.settings import GatewaySettings
 from tests.gateway.test_tiers import worker
 
 WHO = Answerer("tcp://a:5550", "run-1", "m", "home", "fp", chat_parser=False)
@@ -129,7 +128,7 @@ pools:
 
 
 async def test_the_pool_names_the_worker_its_run_and_the_substitute_that_answered() -> None:
-    pool = Pool(GatewaySettings(), models=Models(config.parse(SPILL)))
+    pool = Pool(models=Models(config.parse(SPILL)))
     worker(pool, "home", "m", capacity=1)
     spare = worker(pool, "spare", "m2", capacity=1)
     spare.system_fingerprint = "fp-spare"

@@ -24,7 +24,7 @@ from gateway.dispatch.pool import Pool
 from gateway.dispatch.work import WorkOrder
 from gateway.dispatch.workers import Worker, Workers
 from shared import protocol
-from shared.settings import GatewaySettings
+from shared.settings import LinkSettings
 from tests.gateway import test_pool as pool_tests
 
 
@@ -71,7 +71,7 @@ class Clock:
 @pytest.fixture
 def workers() -> Iterator[Workers]:
     pool = Workers(
-        GatewaySettings(heartbeat_interval=1.0, heartbeat_timeout=3.0), "gw", events=NoEvents()
+        LinkSettings(heartbeat_interval=1.0, heartbeat_timeout=3.0), "gw", events=NoEvents()
     )
     yield pool
     pool.ctx.term()
@@ -176,7 +176,7 @@ def add_worker(pool: Pool, name: str) -> tuple[Worker, Callable[[], None]]:
 
 
 async def stalled_pool(
-    settings: GatewaySettings, another_worker: bool = True
+    settings: LinkSettings, another_worker: bool = True
 ) -> tuple[Pool, Worker, RequestHandle, RequestHandle, Callable[[], None]]:
     """A pool with a worker running two requests for us: a stream whose first
     token went out to its client, and a request that sent nothing yet; and
@@ -210,10 +210,8 @@ def stalls(outcome: str) -> float:
     return value or 0.0
 
 
-def settings(stall_timeout: float = 30.0) -> GatewaySettings:
-    return GatewaySettings(
-        heartbeat_interval=1.0, heartbeat_timeout=3.0, stall_timeout=stall_timeout
-    )
+def settings(stall_timeout: float = 30.0) -> LinkSettings:
+    return LinkSettings(heartbeat_interval=1.0, heartbeat_timeout=3.0, stall_timeout=stall_timeout)
 
 
 def test_a_stalled_worker_keeps_its_streams_and_they_carry_on(clock: Clock) -> None:

@@ -19,7 +19,7 @@ from gateway.dispatch.pool import Pool
 from gateway.dispatch.work import WorkOrder
 from gateway.dispatch.workers import Worker
 from shared import protocol
-from shared.settings import GatewaySettings
+from shared.settings import RoutingSettings
 
 
 class Link(SimpleNamespace):
@@ -39,7 +39,7 @@ def healthy_worker(pool: Pool, name: str) -> Worker:
 
 @pytest.fixture
 async def pool() -> Any:
-    running = Pool(GatewaySettings(policy="round-robin"))
+    running = Pool(routing=RoutingSettings(policy="round-robin"))
     yield running
     running.workers.ctx.term()
 

@@ -70,7 +70,7 @@ def test_a_model_not_ready_keeps_its_retry_after_in_every_dialect(route: table.R
     ("path", "tgi"), [("/v1/completions", False), ("/generate", True), ("/", True)]
 )
 def test_api_key_refusals_answer_in_the_routes_dialect(path: str, tgi: bool) -> None:
-    app = create_app(GatewaySettings(api_keys="secret-key"))
+    app = create_app(GatewaySettings.of(api_keys="secret-key"))
     # No lifespan: the key check answers before anything needs the pool.
     response = TestClient(app).post(path, json={"inputs": "hi"})
     assert response.status_code == 401

@@ -9,7 +9,7 @@ import pytest
 
 from gateway import errors
 from gateway.dialects import schemas
-from shared.settings import GatewaySettings
+from shared.settings import HttpSettings
 
 
 def completion(**fields: Any) -> dict[str, Any]:
@@ -64,7 +64,7 @@ def test_bad_fields_name_themselves(field: str, value: Any) -> None:
     ],
 )
 def test_limits_name_the_limit_and_the_value(fields: Any, param: str, says: str) -> None:
-    settings = GatewaySettings(max_n=8, max_stop_sequences=2)
+    settings = HttpSettings(max_n=8, max_stop_sequences=2)
     body = schemas.validate(completion(**fields), schemas.CompletionRequest)
     with pytest.raises(errors.BadRequest) as info:
         schemas.check_limits(body, settings)
@@ -73,7 +73,7 @@ def test_limits_name_the_limit_and_the_value(fields: Any, param: str, says: str)
 
 
 def test_requests_within_the_limits_pass() -> None:
-    settings = GatewaySettings(max_n=8, max_stop_sequences=2)
+    settings = HttpSettings(max_n=8, max_stop_sequences=2)
     body = schemas.validate(completion(n=8, stop=["a", "b"]), schemas.CompletionRequest)
     schemas.check_limits(body, settings)
     schemas.check_limits(

@@ -14,7 +14,7 @@ from gateway.dispatch.pool import Pool
 from gateway.dispatch.work import WorkOrder
 from gateway.dispatch.workers import Worker
 from shared import config, protocol
-from shared.settings import GatewaySettings
+from shared.settings import AdmissionSettings, LinkSettings
 
 CONFIG = """\
 pools:
@@ -39,7 +39,7 @@ def worker(pool: Pool, name: str, model: str, capacity: int, in_pool: str | None
 
 async def make_pool(spill_after: str) -> Pool:
     models = Models(config.parse(CONFIG % spill_after))
-    pool = Pool(GatewaySettings(queue_timeout=30), models=models)
+    pool = Pool(admission=AdmissionSettings(queue_timeout=30), models=models)
     worker(pool, "home", "m", capacity=1)
     worker(pool, "spare", "m2", capacity=1)
     worker(pool, "other", "m3", capacity=4)
@@ -149,7 +149,7 @@ auto:
 
 def starting_pool() -> Pool:
     """Pool `up` has its worker; pool `starting` has none yet."""
-    pool = Pool(GatewaySettings(), models=Models(config.parse(STARTING)))
+    pool = Pool(models=Models(config.parse(STARTING)))
     worker(pool, "up", "m", capacity=4)
     return pool
 
@@ -193,7 +193,7 @@ async def test_a_declared_model_whose_workers_died_is_a_503_that_says_so() -> No
 
 
 async def test_without_a_config_a_model_once_served_is_a_503_and_a_new_name_a_404() -> None:
-    pool = Pool(GatewaySettings(), models=Models())
+    pool = Pool(models=Models())
     worker(pool, "a", "m", capacity=1)
     gone = worker(pool, "b", "m2", capacity=1)
     pool.workers.lose(gone, "its connection dropped")
@@ -205,7 +205,7 @@ async def test_without_a_config_a_model_once_served_is_a_503_and_a_new_name_a_40
 
 
 async def test_with_no_worker_up_at_all_a_request_gets_a_503_with_retry_after() -> None:
-    pool = Pool(GatewaySettings(startup_timeout=0.01), models=Models(config.parse(STARTING)))
+    pool = Pool(LinkSettings(startup_timeout=0.01), models=Models(config.parse(STARTING)))
     # A declared name says it is starting; any other name cannot be judged yet.
     with pytest.raises(errors.ModelNotReady) as declared:
         await pool.submit(WorkOrder("x", "completion", pool.resolve("soon", {}, []), {}, 0.0))
@@ -241,7 +241,7 @@ pools:
   - {name: gpu, served_model_name: m, addresses: ["10.0.0.1:5550"]}
   - {name: cpu, served_model_name: m, tier: 2, addresses: ["tcp://10.0.0.2:5550"]}
 """
-    pool = Pool(GatewaySettings(), models=Models(config.parse(text)))
+    pool = Pool(models=Models(config.parse(text)))
     # The config's addresses are the workers (--workers left at its default).
     assert pool.discovery.specs == ["tcp://10.0.0.1:5550", "tcp://10.0.0.2:5550"]
     for address in ("tcp://10.0.0.1:5550", "tcp://10.0.0.2:5550"):

@@ -12,10 +12,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from gateway.dispatch.transport import WorkerLink
+from gateway.dispatch.transport import LinkEvents, WorkerLink
 from gateway.dispatch.workers import Worker, Workers
 from shared import protocol
-from shared.settings import GatewaySettings
+from shared.settings import LinkSettings
 from tests.conftest import free_port
 
 # A bound on what must happen (a connection, a message): a hang guard, with
@@ -45,8 +45,7 @@ def test_send_without_a_connected_worker_reports_the_link_down_then_succeeds() -
             link_ctx,
             address,
             b"gw-test",
-            lambda _link, _message: None,
-            on_disconnect=down.append,
+            LinkEvents(lambda _link, _message: None, on_disconnect=down.append),
         )
         link.start()
         ping = protocol.Ping(gateway_id="gw-test", sent_at=1.0)
@@ -88,8 +87,7 @@ def test_messages_queued_in_one_turn_leave_as_one_message_in_order() -> None:
             link_ctx,
             address,
             b"gw-test",
-            lambda _link, _message: None,
-            on_connect=lambda _link: connected.set(),
+            LinkEvents(lambda _link, _message: None, on_connect=lambda _link: connected.set()),
         )
         link.start()
         await asyncio.wait_for(connected.wait(), WITHIN)
@@ -122,7 +120,7 @@ def test_a_link_that_hears_its_own_ping_dials_again(caplog: pytest.LogCaptureFix
             link_ctx,
             f"tcp://127.0.0.1:{free_port()}",
             b"gw-self",
-            lambda _link, message: heard.append(message),
+            LinkEvents(lambda _link, message: heard.append(message)),
         )
         link.start()
         encode = protocol.encoder().encode
@@ -172,7 +170,7 @@ def test_requests_failed_when_the_link_dropped_are_aborted_once_it_connects_agai
             def worker_up(self) -> None:
                 up.set()
 
-        workers = Workers(GatewaySettings(), "gw-test", events=Events())
+        workers = Workers(LinkSettings(), "gw-test", events=Events())
         router = ctx.socket(zmq.ROUTER)
         router.bind(address)
         workers.sync({address})

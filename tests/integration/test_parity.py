@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from shared.embedded import default_model_dir
-from shared.settings import WorkerSettings
+from shared.settings import EngineSettings
 from tests.conftest import (
     STARTUP_TIMEOUT,
     TOOL_FLAGS,
@@ -85,7 +85,7 @@ def launch_system(directory: Path) -> prestart.Launched:
     # sleeping rather than spinning between steps (worker.engine_plugin, in
     # this environment's vLLM too; it changes when a process waits, not what
     # the engine computes), so the two engines do not spin on each other's core.
-    busy_wait = str(WorkerSettings().engine_busy_wait)
+    busy_wait = str(EngineSettings().engine_busy_wait)
     # On the last core, so the two engines answer side by side.
     env = {
         **os.environ,

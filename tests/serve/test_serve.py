@@ -178,7 +178,7 @@ def test_gateway_settings_go_to_the_gateway_and_engine_flags_to_the_workers(
     # A worker gets the engine flags and the drain setting it has too; no routing policy.
     assert worker.argv[-3:] == ["--drain-timeout=60.0", "--dtype", "half"]
     assert not any("policy" in arg for arg in worker.argv)
-    assert plan.SHARED_FLAGS == ["heartbeat_interval", "drain_timeout"]
+    assert sorted(plan.SHARED_FLAGS) == ["drain_timeout", "heartbeat_interval"]
 
 
 def test_api_keys_given_to_serve_stay_out_of_its_log() -> None:
@@ -249,13 +249,16 @@ def test_secrets_reach_the_gateway_in_its_environment_never_a_command_line(
             monkeypatch.setenv(name, value)
     given = gateway.argv[gateway.argv.index("gateway.main") + 1 :]
     read = settings.from_namespace(settings.GatewaySettings, gateway_parser().parse_args(given))
-    assert read.api_keys == SECRETS["LLMGATE_API_KEYS"]
-    assert (read.state_db, read.limits, read.cache) == (
+    assert read.tenants.api_keys == SECRETS["LLMGATE_API_KEYS"]
+    assert (read.store.state_db, read.tenants.limits, read.caching.cache) == (
         SECRETS["LLMGATE_STATE_DB"],
         SECRETS["LLMGATE_LIMITS"],
         SECRETS["LLMGATE_CACHE"],
     )
-    assert (read.otlp_endpoint, read.policy) == ("http://collector:4317", "prefix")
+    assert (read.observability.otlp_endpoint, read.routing.policy) == (
+        "http://collector:4317",
+        "prefix",
+    )
 
 
 def test_a_flag_given_to_serve_wins_over_its_environment_as_before(
@@ -279,7 +282,9 @@ def test_a_collector_url_with_a_password_is_refused(monkeypatch: pytest.MonkeyPa
     two_cores_no_gpu(monkeypatch)
     namespace, _ = serve_main.build_parser().parse_known_args([])
     with pytest.raises(SystemExit, match="OTEL_EXPORTER_OTLP_TRACES_HEADERS"):
-        plan.plan_children(ServeSettings(otlp_endpoint="http://u:pw@collector:4318"), namespace, [])
+        plan.plan_children(
+            ServeSettings.of(otlp_endpoint="http://u:pw@collector:4318"), namespace, []
+        )
 
 
 def test_only_exact_serve_flags_are_serves() -> None:

@@ -156,13 +156,13 @@ def test_flags_and_environment_win_over_the_files_cache_section(
 ) -> None:
     from gateway.cache import merge_config
     from shared import settings
-    from shared.settings import GatewaySettings
+    from shared.settings import CacheSettings, GatewaySettings
 
     parsed = config.parse(CACHED)
     for name in ("CACHE", "CACHE_TTL", "CACHE_MAX_BYTES", "CACHE_SCOPE"):
         monkeypatch.delenv(f"LLMGATE_{name}", raising=False)
     # Left at their defaults: the file's values.
-    merged = merge_config(GatewaySettings(), parsed)
+    merged = merge_config(CacheSettings(), parsed)
     assert (merged.cache, merged.cache_ttl, merged.cache_max_bytes, merged.cache_scope) == (
         "redis://redis:6379/0",
         600,
@@ -171,7 +171,7 @@ def test_flags_and_environment_win_over_the_files_cache_section(
     )
     # A flag and a variable win; what neither gives still comes from the file.
     monkeypatch.setenv("LLMGATE_CACHE_TTL", "30")
-    namespace = settings.from_namespace(GatewaySettings, argparse.Namespace(cache="memory"))
+    namespace = settings.from_namespace(GatewaySettings, argparse.Namespace(cache="memory")).caching
     merged = merge_config(namespace, parsed)
     assert (merged.cache, merged.cache_ttl, merged.cache_max_bytes, merged.cache_scope) == (
         "memory",

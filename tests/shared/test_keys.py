@@ -10,7 +10,7 @@ import zmq
 from zmq.auth.certs import load_certificate, load_certificates
 
 from shared import cli, curve_keys
-from shared.settings import GatewaySettings, WorkerSettings
+from shared.settings import LinkSettings, WorkerLinkSettings
 
 
 def _mode(path: Path) -> int:
@@ -84,19 +84,19 @@ def test_a_missing_or_broken_key_file_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_no_curve_settings_mean_plaintext() -> None:
-    assert curve_keys.gateway_curve(GatewaySettings()) is None
-    assert curve_keys.worker_curve(WorkerSettings()) is None
+    assert curve_keys.gateway_curve(LinkSettings()) is None
+    assert curve_keys.worker_curve(WorkerLinkSettings()) is None
 
 
 def test_curve_settings_come_in_pairs(tmp_path: Path) -> None:
     _, secret_path = curve_keys.generate(tmp_path, "k")
     with pytest.raises(curve_keys.KeyFileError, match="go together"):
-        curve_keys.gateway_curve(GatewaySettings(curve_gateway_key_file=str(secret_path)))
+        curve_keys.gateway_curve(LinkSettings(curve_gateway_key_file=str(secret_path)))
     with pytest.raises(curve_keys.KeyFileError, match="go together"):
-        curve_keys.worker_curve(WorkerSettings(curve_worker_key_file=str(secret_path)))
+        curve_keys.worker_curve(WorkerLinkSettings(curve_worker_key_file=str(secret_path)))
     with pytest.raises(curve_keys.KeyFileError, match="not a directory"):
         curve_keys.worker_curve(
-            WorkerSettings(
+            WorkerLinkSettings(
                 curve_worker_key_file=str(secret_path), curve_gateway_keys_dir=str(secret_path)
             )
         )
@@ -106,13 +106,13 @@ def test_settings_load_both_sides_keys(tmp_path: Path) -> None:
     worker_public, worker_secret = curve_keys.generate(tmp_path / "worker", "worker")
     _, gateway_secret = curve_keys.generate(tmp_path / "gateways", "gw")
     client = curve_keys.gateway_curve(
-        GatewaySettings(
+        LinkSettings(
             curve_gateway_key_file=str(gateway_secret),
             curve_worker_public_key_file=str(worker_public),
         )
     )
     server = curve_keys.worker_curve(
-        WorkerSettings(
+        WorkerLinkSettings(
             curve_worker_key_file=str(worker_secret),
             curve_gateway_keys_dir=str(tmp_path / "gateways"),
         )

@@ -18,9 +18,9 @@ import zmq
 import zmq.asyncio
 
 from gateway.dispatch import transport
-from gateway.dispatch.transport import WorkerLink
+from gateway.dispatch.transport import LinkEvents, WorkerLink
 from shared import curve_keys, protocol
-from shared.settings import GatewaySettings, WorkerSettings
+from shared.settings import LinkSettings, WorkerLinkSettings
 from tests.conftest import free_port
 from tests.harness.waiting import until
 from worker.curve import start_authenticator
@@ -65,12 +65,12 @@ def keypairs(tmp_path: Path) -> Keys:
     authorized.mkdir()
     shutil.copy(gateway_public, authorized)
     server = curve_keys.worker_curve(
-        WorkerSettings(
+        WorkerLinkSettings(
             curve_worker_key_file=str(worker_secret), curve_gateway_keys_dir=str(authorized)
         )
     )
     client = curve_keys.gateway_curve(
-        GatewaySettings(
+        LinkSettings(
             curve_gateway_key_file=str(gateway_secret),
             curve_worker_public_key_file=str(worker_public),
         )
@@ -153,9 +153,11 @@ async def connect() -> AsyncIterator[Connect]:
             ctx,
             address,
             b"gw-test",
-            lambda _link, message: gateway.received.append(message),
-            on_disconnect=lambda _link: None,
-            on_connect=on_connect,
+            LinkEvents(
+                lambda _link, message: gateway.received.append(message),
+                on_disconnect=lambda _link: None,
+                on_connect=on_connect,
+            ),
             curve=curve,
         )
         gateway = Gateway(link)

@@ -62,16 +62,16 @@ def test_without_the_variable_the_plugin_leaves_vllm_alone(monkeypatch: pytest.M
 
 def test_a_cpu_worker_hands_its_setting_to_vllms_processes() -> None:
     environ: dict[str, str] = {}
-    worker_main.apply_busy_wait(settings.WorkerSettings(), environ)
+    worker_main.apply_busy_wait(settings.EngineSettings(), environ)
     assert environ == {engine_plugin.ENV: "0.002"}  # the default
-    worker_main.apply_busy_wait(settings.WorkerSettings(engine_busy_wait=0.5), environ)
+    worker_main.apply_busy_wait(settings.EngineSettings(engine_busy_wait=0.5), environ)
     assert environ == {engine_plugin.ENV: "0.5"}
 
 
 @pytest.mark.parametrize("seconds", [-1.0, float("nan")])
 def test_a_negative_window_is_refused(seconds: float, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        worker_main.apply_busy_wait(settings.WorkerSettings(engine_busy_wait=seconds), {})
+        worker_main.apply_busy_wait(settings.EngineSettings(engine_busy_wait=seconds), {})
     assert exit_info.value.code == settings.SETTINGS_ERROR_STATUS
     assert "--engine-busy-wait must be at least 0" in capsys.readouterr().err
 
@@ -80,12 +80,12 @@ def test_a_worker_says_when_vllm_is_told_to_leave_the_plugin_out(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.WARNING):
-        worker_main.apply_busy_wait(settings.WorkerSettings(), {"VLLM_PLUGINS": "other"})
+        worker_main.apply_busy_wait(settings.EngineSettings(), {"VLLM_PLUGINS": "other"})
     assert "leaves out llmgate_busy_wait" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         environ = {"VLLM_PLUGINS": f"other,{engine_plugin.NAME}"}
-        worker_main.apply_busy_wait(settings.WorkerSettings(), environ)
+        worker_main.apply_busy_wait(settings.EngineSettings(), environ)
     assert caplog.text == ""
 
 

@@ -21,7 +21,7 @@ from worker.server import WorkerServer
 async def test_a_silent_gateways_requests_are_aborted_and_each_answered_503() -> None:
     """A gateway that was only starved, not gone, must learn its requests
     ended: without the 503 it would wait for their output forever."""
-    settings = WorkerSettings(heartbeat_interval=0.05, gateway_timeout=0.5)
+    settings = WorkerSettings.of(heartbeat_interval=0.05, gateway_timeout=0.5)
     server = WorkerServer(settings, FakeEngine([MODEL], token_interval=0.01))
     sent: list[tuple[bytes, protocol._Message]] = []
     server.send = lambda identity, message: sent.append((identity, message))  # type: ignore[method-assign]
@@ -51,7 +51,7 @@ async def test_a_disconnected_gateways_requests_are_aborted_at_once(
     after --gateway-timeout (here 10 minutes) of silence; another gateway's
     requests run on."""
     address = f"tcp://127.0.0.1:{free_port()}"
-    settings = WorkerSettings(bind=address, gateway_timeout=600)
+    settings = WorkerSettings.of(bind=address, gateway_timeout=600)
     server = WorkerServer(settings, FakeEngine([MODEL], token_interval=0.01))
     serving = asyncio.create_task(server.serve())
     ctx = zmq.Context()

@@ -32,16 +32,16 @@ class Keyed:
         self.path = tmp_path / "keys.yaml"
         self.keys = {name: api_keys.add(self.path, name) for name in names}
         self.keys["ops"] = api_keys.add(self.path, "ops", admin=True)
-        settings = GatewaySettings(
+        settings = GatewaySettings.of(
             api_keys_file=str(self.path), state_dir=str(tmp_path / "state"), **settings
         )
-        self.store = State(settings)
-        self.ring = auth.KeyRing(settings)
+        self.store = State(settings.store)
+        self.ring = auth.KeyRing(settings.tenants)
         self.api = create_api(settings, self.ring)
         # The services the routes under test read: no pool, no limits, no cache,
         # and what creating or cancelling a batch wakes (no runner here).
         batches = SimpleNamespace(
-            runner=SimpleNamespace(wake=lambda: None), max_file_bytes=settings.max_file_bytes
+            runner=SimpleNamespace(wake=lambda: None), max_file_bytes=settings.batch.max_file_bytes
         )
         self.api.services = SimpleNamespace(  # type: ignore[assignment]
             settings=settings, store=self.store, batches=batches, keys=self.ring, limits=Limiter()

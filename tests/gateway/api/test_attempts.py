@@ -23,7 +23,7 @@ from gateway.dispatch.pool import Pool
 from gateway.dispatch.workers import Worker
 from gateway.tracing import NO_SPAN
 from shared import protocol
-from shared.settings import GatewaySettings
+from shared.settings import RoutingSettings
 from tests.gateway.test_pool import healthy_worker
 
 M = Target("m", (Tier("", "m"),))
@@ -73,7 +73,7 @@ def test_no_worker_left_names_why_the_last_one_failed() -> None:
 
 @pytest.fixture
 async def pool() -> AsyncIterator[Pool]:
-    running = Pool(GatewaySettings(policy="round-robin"))
+    running = Pool(routing=RoutingSettings(policy="round-robin"))
     yield running
     running.workers.ctx.term()
 

@@ -16,7 +16,7 @@ from gateway.api.auth import ApiKeyMiddleware, KeyRing, load_api_keys
 from gateway.context import context_of
 from shared import api_keys
 from shared.api_keys import sha256_hex
-from shared.settings import GatewaySettings
+from shared.settings import TenantSettings
 
 KEYS = ["k1", "sk-second-key"]
 
@@ -45,7 +45,7 @@ async def _get(
 def test_keys_come_from_the_flag_and_the_file(tmp_path: Path) -> None:
     keys_file = tmp_path / "keys"
     keys_file.write_text("# team a\nfile-key-1\n\n  file-key-2  # rotated in May\n")
-    loaded = load_api_keys(GatewaySettings(api_keys=" a, b ,,", api_keys_file=str(keys_file)))
+    loaded = load_api_keys(TenantSettings(api_keys=" a, b ,,", api_keys_file=str(keys_file)))
     assert [entry.key_sha256 for entry in loaded] == [
         sha256_hex(key) for key in ["a", "b", "file-key-1", "file-key-2"]
     ]
@@ -54,24 +54,24 @@ def test_keys_come_from_the_flag_and_the_file(tmp_path: Path) -> None:
 
 
 def test_no_keys_means_no_authentication() -> None:
-    assert load_api_keys(GatewaySettings()) == []
+    assert load_api_keys(TenantSettings()) == []
 
 
 def test_a_keys_file_without_keys_is_an_error_not_an_open_gateway(tmp_path: Path) -> None:
     keys_file = tmp_path / "keys"
     keys_file.write_text("# nothing yet\n\n")
     with pytest.raises(ValueError, match="holds no key"):
-        load_api_keys(GatewaySettings(api_keys_file=str(keys_file)))
+        load_api_keys(TenantSettings(api_keys_file=str(keys_file)))
 
 
 def test_a_missing_keys_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cannot read"):
-        load_api_keys(GatewaySettings(api_keys_file=str(tmp_path / "absent")))
+        load_api_keys(TenantSettings(api_keys_file=str(tmp_path / "absent")))
 
 
 def test_a_bad_key_is_refused_without_quoting_it() -> None:
     with pytest.raises(ValueError) as raised:
-        load_api_keys(GatewaySettings(api_keys="good,secret\tvalue"))
+        load_api_keys(TenantSettings(api_keys="good,secret\tvalue"))
     assert "secret" not in str(raised.value)
 
 
@@ -139,7 +139,7 @@ async def test_metrics_are_for_admin_keys_only(tmp_path: Path) -> None:
     path = tmp_path / "keys.yaml"
     team = api_keys.add(path, "team-a")
     ops = api_keys.add(path, "ops", admin=True)
-    ring = KeyRing(GatewaySettings(api_keys_file=str(path)))
+    ring = KeyRing(TenantSettings(api_keys_file=str(path)))
     anonymous = await _get("/metrics", {}, ring)
     assert anonymous.status_code == 401
     assert anonymous.json()["error"]["code"] == "invalid_api_key"
@@ -248,7 +248,7 @@ def test_a_key_added_or_revoked_in_the_file_counts_after_the_next_look(
 
     path = tmp_path / "keys.yaml"
     first = api_keys.add(path, "a")
-    ring = auth.KeyRing(GatewaySettings(api_keys_file=str(path)))
+    ring = auth.KeyRing(TenantSettings(api_keys_file=str(path)))
     entry = ring.match(first.encode())
     assert entry is not None and entry.name == "a"
     second = api_keys.add(path, "b", requests_per_minute=5)
@@ -297,7 +297,7 @@ def test_a_name_or_id_of_a_flag_key_given_again_in_the_file_is_refused(
     path = tmp_path / "keys.yaml"
     path.write_text(f"keys:\n  - {entry}\n    key: sk-other\n")
     with pytest.raises(ValueError, match=f"the {clash} .* --api-keys and --api-keys-file"):
-        load_api_keys(GatewaySettings(api_keys="sk-flag", api_keys_file=str(path)))
+        load_api_keys(TenantSettings(api_keys="sk-flag", api_keys_file=str(path)))
 
 
 def test_the_ring_finds_a_key_by_its_id_as_the_file_is_now(
@@ -308,7 +308,7 @@ def test_the_ring_finds_a_key_by_its_id_as_the_file_is_now(
     path = tmp_path / "keys.yaml"
     api_keys.add(path, "spare")
     api_keys.add(path, "team-a")
-    ring = KeyRing(GatewaySettings(api_keys_file=str(path)))
+    ring = KeyRing(TenantSettings(api_keys_file=str(path)))
     old = api_keys.load(path)[1]
     found = ring.with_id(old.id)
     assert found is not None and found.name == "team-a"

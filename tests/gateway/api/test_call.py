@@ -29,7 +29,7 @@ from gateway.dispatch.models import Models
 from gateway.dispatch.pool import Pool
 from gateway.dispatch.workers import Worker
 from shared import config, protocol, routes
-from shared.settings import GatewaySettings
+from shared.settings import GatewaySettings, RoutingSettings
 from tests.gateway.api.test_attempts import answer, generated, generates, sent_to
 from tests.gateway.test_pool import healthy_worker
 from tests.gateway.test_tiers import worker
@@ -39,7 +39,7 @@ ROUTE = routes.COMPLETIONS.path
 
 @pytest.fixture
 async def pool() -> AsyncIterator[Pool]:
-    running = Pool(GatewaySettings(policy="round-robin"))
+    running = Pool(routing=RoutingSettings(policy="round-robin"))
     yield running
     running.workers.ctx.term()
 
@@ -47,7 +47,7 @@ async def pool() -> AsyncIterator[Pool]:
 def call(pool: Pool, raw: dict[str, Any], cache: ResponseCache | None = None) -> Call:
     """The call for a completion request with body ``raw``, as the route makes it."""
     services = SimpleNamespace(
-        pool=pool, settings=pool.settings, cache=cache, limits=None, ledger=None
+        pool=pool, settings=GatewaySettings(), cache=cache, limits=None, ledger=None
     )
     app = SimpleNamespace(services=services)
     scope = {"type": "http", "method": "POST", "path": ROUTE, "headers": [], "app": app}
@@ -126,7 +126,7 @@ auto:
 
 
 def cascade_pool() -> tuple[Pool, Worker, Worker]:
-    pool = Pool(GatewaySettings(), models=Models(config.parse(CASCADE)))
+    pool = Pool(models=Models(config.parse(CASCADE)))
     return pool, worker(pool, "small", "cheap", 4), worker(pool, "large", "big", 4)
 
 

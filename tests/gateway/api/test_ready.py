@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from gateway.api.health import ready
 from gateway.state import State
-from shared.settings import GatewaySettings
+from shared.settings import StoreSettings
 
 # The guard on waiting for the store's first try: it only stops a hang.
 WITHIN = 60
@@ -26,7 +26,7 @@ async def answer(store: State) -> tuple[int, dict[str, object]]:
 
 
 async def test_a_local_store_not_yet_opened_keeps_the_gateway_not_ready(tmp_path: Path) -> None:
-    store = State(GatewaySettings(state_dir=str(tmp_path)))
+    store = State(StoreSettings(state_dir=str(tmp_path)))
     status, body = await answer(store)
     assert status == 503 and body["ready"] is False
     assert body["state_store"] == "the state store has not answered yet"
@@ -40,7 +40,7 @@ async def test_a_local_store_that_failed_its_first_try_leaves_the_gateway_ready(
     tmp_path: Path,
 ) -> None:
     """Only the routes that need state answer 503 then; completions go on."""
-    store = State(GatewaySettings(state_dir=str(tmp_path)))
+    store = State(StoreSettings(state_dir=str(tmp_path)))
 
     def broken() -> list[str]:
         raise OSError("disk I/O error")

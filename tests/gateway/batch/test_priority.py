@@ -14,7 +14,7 @@ from gateway.dispatch.pool import Pool
 from gateway.dispatch.work import WorkOrder
 from gateway.dispatch.workers import Worker
 from shared import protocol
-from shared.settings import GatewaySettings
+from shared.settings import BatchSettings, GatewaySettings
 from worker import main as worker_main
 from worker.engine import Engine
 
@@ -27,7 +27,8 @@ class Link(SimpleNamespace):
 
 
 def make_pool(capacity: int, **settings: Any) -> tuple[Pool, Worker]:
-    pool = Pool(GatewaySettings(**settings))
+    given = GatewaySettings.of(**settings)
+    pool = Pool(given.link, given.admission, given.routing)
     state = Worker(link=Link(address="tcp://w:5550", sent=[]))  # type: ignore[arg-type]
     pool.workers.by_address[state.address] = state
     pool.workers.on_heartbeat(state, protocol.Heartbeat("w", "i", [MODEL], capacity=capacity))
@@ -149,5 +150,6 @@ def test_the_runner_takes_few_slots_while_interactive_requests_come_in(
 ) -> None:
     from gateway.batch.runner import Runner
 
-    runner = Runner(None, None, lambda: 256, lambda: since, max_inflight)  # type: ignore[arg-type]
+    settings = BatchSettings(batch_max_inflight=max_inflight)
+    runner = Runner(None, None, lambda: 256, lambda: since, settings)  # type: ignore[arg-type]
     assert runner.cap() == cap

@@ -23,9 +23,12 @@ from gateway.state import State
 from gateway.state.batches import Batches
 from gateway.state.tables import batches as batches_table
 from shared import api_keys
-from shared.settings import SETTINGS_ERROR_STATUS, GatewaySettings
+from shared.settings import SETTINGS_ERROR_STATUS, BatchSettings, StoreSettings, TenantSettings
 
 CHAT = "/v1/chat/completions"
+
+# Two lines in flight at most.
+TWO_LINES = BatchSettings(batch_max_inflight=2)
 
 
 # A 429 without Retry-After, as a line alone over its key's tokens a minute gets.
@@ -63,14 +66,18 @@ class App:
 async def make(
     tmp_path: Path, app: App, count: int, metadata: dict[str, str] | None = None
 ) -> tuple[Runner, Batches, str]:
-    state = State(GatewaySettings(state_dir=str(tmp_path)))
+    state = State(StoreSettings(state_dir=str(tmp_path)))
     await state.connect()
     data = "\n".join(
         json.dumps({"custom_id": f"c{i}", "method": "POST", "url": CHAT, "body": {"n": i}})
         for i in range(count)
     )
     batch = state.batches.create("file-x", CHAT, "24h", metadata, jsonl.parse(data.encode()))
-    return Runner(state, app, lambda: 4, lambda: 1e9, 2), state.batches, batch["id"]
+    return (
+        Runner(state, app, lambda: 4, lambda: 1e9, TWO_LINES),
+        state.batches,
+        batch["id"],
+    )
 
 
 async def finished(store: Batches, batch_id: str) -> dict[str, Any]:
@@ -175,13 +182,13 @@ async def test_a_jobs_lines_run_as_its_owners_key_and_a_revoked_one_fails_them(
     api_keys.revoke(path, "team-b")
     api_keys.add(path, "team-b")
     app = App()
-    state = State(GatewaySettings(state_dir=str(tmp_path)))
+    state = State(StoreSettings(state_dir=str(tmp_path)))
     await state.connect()
     line = json.dumps({"custom_id": "c0", "method": "POST", "url": CHAT, "body": {"n": 0}})
     owned = state.batches.create("f", CHAT, "24h", None, jsonl.parse(line.encode()), team_a.id)
     gone = state.batches.create("f", CHAT, "24h", None, jsonl.parse(line.encode()), team_b.id)
-    ring = KeyRing(GatewaySettings(api_keys_file=str(path)))
-    batch_runner = Runner(state, app, lambda: 4, lambda: 1e9, 2, ring)
+    ring = KeyRing(TenantSettings(api_keys_file=str(path)))
+    batch_runner = Runner(state, app, lambda: 4, lambda: 1e9, TWO_LINES, ring)
     batch_runner.start()
     await finished(state.batches, owned["id"])
     failed = await finished(state.batches, gone["id"])

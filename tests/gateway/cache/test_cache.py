@@ -20,6 +20,7 @@ from gateway.cache import cache as cache_module
 from gateway.cache.memory import MemoryStore
 from shared import protocol
 from shared.cache_settings import check_cache_settings
+from shared.settings import CacheSettings
 
 BODY = {"model": "m", "prompt": "Hello", "temperature": 0, "max_tokens": 8}
 
@@ -149,7 +150,7 @@ def entry() -> Entry:
 
 
 async def test_an_entry_round_trips() -> None:
-    cache = open_cache("memory", ttl=60, max_bytes=10_000, scope="deterministic")
+    cache = open_cache(CacheSettings(cache="memory", cache_ttl=60, cache_max_bytes=10_000))
     assert cache is not None
     await cache.put("k", entry())
     assert await cache.get("k") == entry()

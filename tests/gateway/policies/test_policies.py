@@ -126,9 +126,8 @@ async def test_a_heartbeat_counts_only_other_gateways_requests() -> None:
     # counting this gateway's queued requests twice (and a second late).
     from gateway.dispatch.pool import Pool
     from shared import protocol
-    from shared.settings import GatewaySettings
 
-    pool = Pool(GatewaySettings())
+    pool = Pool()
     (worker,) = workers(1)
     pool.workers.by_address[worker.address] = worker
     worker.in_flight = 6
