@@ -1,36 +1,15 @@
-"""The wire protocol between gateways and workers.
+"""The wire protocol between gateways and workers: msgpack-encoded msgspec structs over ZeroMQ.
 
-Transport: ZeroMQ. Each gateway process opens one DEALER socket per worker
-and connects it to that worker's ROUTER socket. Every frame holds one
-msgpack-encoded, tagged msgspec struct. A gateway sends what it queued for a
-worker in one event-loop turn as the frames of one ZMQ message (one wake of
-libzmq's I/O thread per turn, not per request). On the worker, the ROUTER
-prepends the sending gateway's identity frame, so a worker sees
-``[gateway identity, body, body, ...]`` and replies with ``[gateway
-identity, body]``.
-
-Structs are ``array_like`` (encoded as msgpack arrays, no field names on the
-wire) and tagged: the first array element is the message kind, a short
-string (``"gen"``, ``"abort"``, ...), so a reader can tell the kind from the
-first few bytes. Fields may only be appended, with defaults; anything else
-bumps ``PROTOCOL_VERSION``, which workers report in every ``Heartbeat`` and
-gateways check before sending them work.
-
-gateway -> worker
-    Generate   one OpenAI request (completion or chat) to run, or one
-               request to a route of vLLM's own server (kind "vllm").
-    Abort      stop these requests (client gone, deadline passed).
-    Ping       the gateway is alive; a worker aborts the requests of a
-               gateway it has not heard from within its timeout.
-
-worker -> gateway
-    Deltas     every request's new output since the last engine step, in
-               one frame (message rate = step rate, not token rate).
-    Failed     a request could not run (bad input, engine error).
-    Heartbeat  the worker's identity, models, load and capacity.
-
-Never pickle: a peer is untrusted input, and a decode error is logged and the
-frame dropped by the receiver.
+Each gateway process connects one DEALER socket to every worker's ROUTER
+socket. Every frame holds one struct, and a message may carry several
+(``gateway.dispatch.transport``): a worker sees ``[gateway identity, body,
+...]`` and replies ``[gateway identity, body]``. Structs are ``array_like``
+(no field names on the wire) and tagged, so the message kind (``"gen"``,
+``"abort"``, ...) is the first array element, readable without decoding the
+rest. Fields may only be appended, with defaults; anything else bumps
+``PROTOCOL_VERSION``, which workers report in every ``Heartbeat`` and
+gateways check before sending them work. Never pickle: a peer is untrusted
+input, and a frame that does not decode is logged and dropped.
 """
 
 from __future__ import annotations
@@ -204,7 +183,13 @@ class Heartbeat(_Message, tag="hb"):
     reasoning_parser: bool = False
 
 
+# gateway -> worker: Generate (a request to run), Abort (stop these requests:
+# client gone, deadline passed), Ping (the gateway is alive; a worker aborts
+# the requests of a gateway it has not heard from within its timeout).
 ToWorker = Generate | Abort | Ping
+# worker -> gateway: Deltas (every request's new output since the last engine
+# step, in one frame: message rate = step rate, not token rate), Failed (a
+# request could not run), Heartbeat (the worker's identity, models, load, capacity).
 ToGateway = Deltas | Failed | Heartbeat
 
 

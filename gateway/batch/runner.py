@@ -1,32 +1,15 @@
 """The job runner: takes batch jobs to their end, a few lines at a time, through the gateway itself.
 
-Every gateway process and replica runs one, over the shared state store
-(``gateway.state.batches``): it claims pending lines under a lease (as many
-as its cap has room for), runs each, commits its result, and claims more; a
-replica that dies leaves leases that lapse, and the others claim those lines
-again. A job whose lines are all done (or that was cancelled, or ran past
-its window) is ended by whichever replica takes the lease on ending it.
-
-A line is not sent to a worker by a second path: it is a request to the
-gateway's own ASGI app (below the API-key check), with a synthetic HTTP
-scope, its body, a request id of its own, and a request context
-(``gateway.context``) that marks it a batch line and holds the API key
-entry of the job's owner, looked up by id
-in the keys as they are now, so a line counts against its key's usage,
-limits and models (a key revoked since gets the line an error answer, and
-so does one whose name was given to a new secret: that is another key). So
-it gets everything an interactive request gets (validation,
-model resolution, admission, the response cache, metrics, logs) and the
-answer a client would get. Admission puts it behind every interactive
-request (``gateway.dispatch.admission``), the worker's engine runs it at a lower
-priority (``protocol.BATCH_PRIORITY``), and the runner caps its lines in
-flight (``cap``), so interactive requests always find free slots and the
-batch slows them little.
-
-A 429 or 503 (the gateway busy, no worker up) is not a result: the line is
-tried again after a pause. Cancelling a job ends its in-flight lines as a
-client that goes away would (the request is aborted on its worker) and
-gives their leases back.
+Every gateway process and replica runs one over the shared state store
+(``gateway.state.batches``): it claims pending lines under a lease, runs
+each, commits its result, and claims more; a replica that dies leaves
+leases that lapse, and the others run those lines again. A line is not sent
+to a worker by a second path: it is a request to the gateway's own ASGI app
+(below the API-key check), as its job's owner (``gateway.context``), so it
+gets all an interactive request gets, limits and usage included. It runs at
+low priority (``gateway.dispatch.admission``, ``protocol.BATCH_PRIORITY``),
+capped in flight (:meth:`Runner.cap`), so interactive requests still find
+free slots; a 429 or 503 is not its result but a reason to try again later.
 """
 
 from __future__ import annotations
@@ -236,6 +219,8 @@ class Runner:
             for batch_id, job in self.jobs.items():
                 if statuses.get(batch_id) != "in_progress" or time.time() >= job.expires_at:
                     job.cancelled.set()
+        # Jobs whose lines are all done, cancelled or past their window: ended
+        # by whichever replica takes the lease on ending it.
         for ending in await asyncio.to_thread(batches.ending):
             if await asyncio.to_thread(
                 batches.take, ending.batch_id, self.owner, self.lease_seconds
@@ -343,6 +328,8 @@ class Runner:
             refused = errors.BadRequest(f"No batch endpoint {line.url}.", "url")
             return 400, "", refused.body(), False
         request_id = f"{job.batch_id}-{line.index}"
+        # The owner's key as the keys are now, by id: a key revoked since (or
+        # whose name was given to a new secret: another id) gets an error answer.
         key = None
         if job.owner is not None and self.keys is not None and len(self.keys):
             key = self.keys.with_id(job.owner)

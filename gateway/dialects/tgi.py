@@ -1,35 +1,15 @@
 """Hugging Face TGI's generate API, mapped onto the OpenAI completions path.
 
-TGI clients (``text_generation``, ``huggingface_hub``'s ``InferenceClient``,
-the curl lines in seed 004) post ``{"inputs": ..., "parameters": {...}}`` to
-``/generate``, ``/generate_stream`` or ``/``. Each request becomes one
-completions request for the worker (:func:`to_completion`), so sampling,
-limits, routing and cancellation are the ones every other request gets; the
-worker's deltas come back in TGI's shapes (:class:`TgiBuilder`).
-
-Parameter mapping, as TGI defines them:
-
-* Sampling happens when ``do_sample`` is true or any warper is set
-  (``temperature`` other than 1, ``top_k``, ``top_p`` below 1), as in TGI's
-  ``NextTokenChooser``; otherwise decoding is greedy (temperature 0). A
-  sampled request without a ``seed`` gets a random one, reported in
-  ``details.seed``.
-* ``max_new_tokens`` -> ``max_tokens`` (default 100, TGI's), ``stop`` (or
-  the older ``stop_sequences``) -> ``stop``, ``truncate`` -> vLLM's
-  ``truncate_prompt_tokens`` (keep the last N prompt tokens),
-  ``repetition_penalty`` and ``frequency_penalty`` as is, ``grammar``
-  (``{"type": "json"|"regex", "value": ...}``) -> vLLM's
-  ``structured_outputs``, ``top_n_tokens`` -> ``logprobs``.
-* ``return_full_text`` prepends the prompt to ``generated_text``.
-* ``decoder_input_details`` (with ``details``, on ``/generate``) asks the
-  worker for the prompt's tokens and their logprobs (completions' ``echo``
-  with ``logprobs``) and reports them as ``details.prefill``, the first
-  token's logprob null; TGI refuses it when streaming, and so do we.
-* Refused with a validation error (422) because vLLM cannot do them:
-  ``typical_p``, ``watermark``, ``best_of`` above 1, ``adapter_id``.
-
-Errors use TGI's body ``{"error": ..., "error_type": ...}``; a bad request
-is 422, as TGI answers it.
+TGI clients post ``{"inputs": ..., "parameters": {...}}`` to ``/generate``,
+``/generate_stream`` or ``/``. Each request becomes one completions request
+for the worker (:func:`to_completion`), so sampling, limits, routing and
+cancellation are the ones every other request gets; the worker's deltas
+come back in TGI's shapes (:class:`TgiBuilder`), and errors in TGI's body
+(422 for a bad request). Parameters mean what TGI defines: a request
+samples only when TGI's ``NextTokenChooser`` would. What vLLM cannot do
+(``typical_p``, ``watermark``, ``best_of`` above 1, ``adapter_id``) is
+refused by name (:func:`check_supported`), never ignored. The mapping,
+parameter by parameter, is in docs/api.md.
 """
 
 from __future__ import annotations
@@ -112,7 +92,7 @@ def check_supported(params: GenerateParameters) -> None:
 
 
 def to_completion(request: GenerateRequest, model: str, stream: bool) -> dict[str, Any]:
-    """The OpenAI completions body that runs ``request`` (see the module docstring)."""
+    """The OpenAI completions body that runs ``request``, each parameter as TGI defines it."""
     params = request.parameters
     raw: dict[str, Any] = {
         "model": model,

@@ -1,44 +1,15 @@
 """Admission: which requests may go to a worker now, which wait, and which are refused.
 
-A request goes to a worker with a free slot (fewer requests in flight from
-this gateway than the capacity the worker reports, vLLM's
-``max_num_seqs``, or ``--max-inflight-per-worker``), chosen among those by
-the routing policy. When none has one, it waits in a bounded queue
-(``--max-queue``) for up to ``--queue-timeout`` (or its deadline); past
-either bound it is refused with 429. With no healthy worker at all, a
-request waits ``--startup-timeout`` for one, then gets 503. A model no
-healthy worker serves is a 503 too when the config declares it or a worker
-has served it (``errors.ModelNotReady``: its pool is starting, or its
-workers are down); only a name nobody declared is a 404. Every 503 for want
-of a worker carries ``Retry-After``.
-
-Pools and tiers (``gateway.dispatch.models``): a request's target lists the pools it
-may run on, home tier first. It starts on its home pool when that has a free
-slot (and nobody is queued there before it). Otherwise, when the home pool's
-``spill_after`` is set and the request's expected wait there (requests
-queued ahead / the pool's slots x its recent mean request time) is at least
-that, it starts at once on the first later tier with a free slot
-(``llmgate_spillover_total``). Else it queues for its home pool, first come
-first served; once it has waited ``spill_after``, a free slot in a later tier
-takes it too, whichever frees first. Without ``spill_after`` a request only
-ever runs on its home pool, as without a config.
-
-Low priority (batch lines, ``gateway.batch``): such a request takes a free
-slot only when the pool has more free slots than interactive requests
-waiting for it, so it never takes one an interactive request is queued for;
-otherwise it waits in a queue of its own, behind every interactive request,
-and a freed slot wakes it only when no interactive request is waiting. It
-waits for its home pool alone, until its deadline rather than
-``--queue-timeout``, and does not count against ``--max-queue``: a batch
-never makes an interactive request a 429.
-
-Fair sharing (``gateway.dispatch.fair_share``, ``--fair-share``): a request carries
-its API key's id (its tenant). Among the requests waiting for a pool
-(and, apart, among its low-priority ones), a freed slot goes to the one
-whose key has received the least service lately (a virtual token counter),
-not simply the first in line; first come first served among equals and
-within a key. Requests without a key are one such key: first come first
-served, as with ``--fair-share false``.
+A request takes a free slot in its home pool (a worker with fewer of this
+process's requests in flight than its capacity), the routing policy choosing
+among them; else it spills to a later tier (``gateway.dispatch.models``),
+waits in a bounded queue, or is refused: 429 past the queue's bounds, 503
+with ``Retry-After`` when no healthy worker serves its model. A freed slot
+goes to the waiter whose key received the least service lately
+(``gateway.dispatch.fair_share``). Low-priority requests (batch lines,
+``gateway.batch``) take only slots no queued interactive request needs and
+wait apart, so a batch never makes an interactive request a 429. Queues are
+per process, and a running request is never preempted.
 """
 
 from __future__ import annotations
@@ -149,6 +120,7 @@ class Admission:
     ) -> tuple[Worker, Tier]:
         target, key, deadline = order.pools, order.key, order.deadline
         low_priority = order.low_priority
+        # No healthy worker at all: wait up to --startup-timeout for one, then 503.
         if not self.workers.any_healthy and not await self.workers.wait_for_any():
             metrics.REJECTED.labels("no_worker").inc()
             if target.declared:
@@ -181,6 +153,8 @@ class Admission:
             if chosen is not None:
                 self.fair.charge(tenant)
                 return chosen
+        # Without spill_after a request only ever runs on its home pool; with it,
+        # one that would wait at least that long starts at once on a later tier.
         spill_after = home.spill_after if len(tiers) > 1 else None
         if spill_after is not None and self.expected_wait(home) >= spill_after:
             chosen = self._spill(tiers, key, exclude)
@@ -280,7 +254,10 @@ class Admission:
         exclude: Collection[str],
         tenant: Tenant,
     ) -> tuple[Worker, Tier]:
-        """Queue behind every interactive request for ``home`` (see the module docstring)."""
+        """Queue behind every interactive request for ``home`` alone (no spill-over):
+        a freed slot wakes it only when no interactive request waits there. It
+        waits until its deadline, not ``--queue-timeout``, and outside
+        ``--max-queue``, so a batch never makes an interactive request a 429."""
         queue = self.pool(home)
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()

@@ -1,32 +1,15 @@
 """Fair sharing of worker slots between API keys under overload: a virtual token counter.
 
-After Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024),
-the Virtual Token Counter (VTC). Each key (a tenant, by its id) has a
-counter of the service it received, in tokens (prompt + completion). When
-requests queue, the next free slot goes to the waiting request whose key's
-counter is the smallest (the one that came first among equal counters, and
-within a key first come first served). So a key that floods the gateway
-gets its share of the slots, not all of them, and a key that sends little
-is served almost at once.
-
-* Charging: a request is charged its key's expected cost (the key's recent
-  mean tokens per request) when it is given a slot (woken for one, or
-  taking a free one at once), so a flood is charged before any of it ends;
-  when it ends, the expected cost is replaced by the usage the engine
-  reported. A request that ends without usage (aborted, failed) keeps the
-  expected cost; one woken that leaves without the slot is refunded.
-* No banked credit: a key that becomes active (a request waiting or
-  running, after none) has its counter lifted to the least service received
-  by the keys already active (their counters without what is charged in
-  advance), or, with none active, to the counter of the last key that
-  was. A key idle for an hour is served like the others, not for an hour
-  alone.
-* Requests without a key (no keys configured) all share one counter (the
-  key ``None``): one line, first come first served, as without fair sharing.
-
-The counters live in each gateway process, beside its admission queues
-(which are per process too): with ``--processes N`` or several replicas,
-each shares its own slots fairly.
+After Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024).
+Each key (a tenant, by its id) has a counter of the service it received, in
+tokens; a freed slot goes to the waiting request whose key's counter is the
+smallest (first come first served among equals, and within a key). So a key
+that floods the gateway gets its share of the slots, not all of them. A
+request is charged its key's expected cost when it gets a slot, so a flood
+is charged before any of it ends, and settled to its usage when it ends. A
+key that becomes active starts level with the least-served active key: idle
+time banks no credit. Requests without a key share one counter. It never
+preempts a running request, and it shares only this process's slots.
 """
 
 from __future__ import annotations
@@ -70,7 +53,8 @@ class _Account:
 
 
 class FairShare:
-    """Every key's virtual token counter in this process (see the module docstring)."""
+    """Every key's virtual token counter in this process: charged in advance,
+    settled to usage, lifted when its key becomes active (no banked credit)."""
 
     def __init__(self) -> None:
         self._accounts: dict[Tenant, _Account] = {}
@@ -149,6 +133,8 @@ class FairShare:
         advance = account.outstanding / account.charged
         account.outstanding -= advance
         account.charged -= 1
+        # Woken but left without the slot: refunded. Ended without usage
+        # (aborted, failed): the expected cost stays charged.
         if refund:
             account.counter -= advance
         elif tokens is not None:
