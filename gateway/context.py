@@ -26,8 +26,10 @@ SCOPE_KEY = "llmgate"
 class Grant(Protocol):
     """A request's hold on its key's limits (``gateway.tenants.limits.Grant``)."""
 
-    # What the request cost in tokens, once known; settled when it ends.
+    # What the request cost in tokens, once known, and of which prompt and
+    # completion; settled when it ends.
     tokens: int | None
+    usage: tuple[int, int]
 
     def end(self, status: int | None) -> None: ...
 

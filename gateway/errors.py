@@ -12,6 +12,7 @@ Every error a client can see is a :class:`GatewayError`:
     │   └── ModelNotFound            (404 invalid_request_error, code model_not_found)
     ├── Overloaded                   (429 rate_limit_exceeded, Retry-After)
     │   └── RateLimited              (429, code rate_limit_exceeded: a key's limit)
+    │       └── OverBudget           (429, code insufficient_quota: a key's budget)
     ├── NoWorker                     (503 service_unavailable, Retry-After)
     │   ├── ModelNotReady            (503 service_unavailable, code model_not_ready)
     │   └── StateUnavailable         (503 service_unavailable, code state_store_unavailable)
@@ -139,6 +140,16 @@ class RateLimited(Overloaded):
 
     def headers(self) -> dict[str, str]:
         return super().headers() if self.waiting_helps else {}
+
+
+class OverBudget(RateLimited):
+    """The request's API key has spent its budget for the day or the month
+    (``gateway.tenants.budgets``): OpenAI's answer to a quota used up."""
+
+    code = "insufficient_quota"
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message, retry_after, "insufficient_quota")
 
 
 class NoWorker(GatewayError):

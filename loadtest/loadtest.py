@@ -28,6 +28,9 @@ Scenarios (``--scenario``, default ``all``, run one after the other):
   floods the gateway while another sends a trickle of short chats; the
   trickle's TTFT and latency alone, beside the flood with fair sharing on,
   and with it off.
+* ``budget`` (not part of ``all``; ``loadtest.budget_race``): a key's daily
+  token budget under 64 requests at once over two gateways sharing Redis,
+  ``--race-runs`` (10) times: how far spend went past the budget.
 
 Each run (scenario or sweep step) is its own headless Locust process; the
 first ``--warmup`` seconds of each are not counted. Throughput is the number
@@ -83,6 +86,7 @@ CAPACITY_SCENARIOS = ("connections", "soak")
 SPILLOVER = "spillover"
 BATCH = "batch"
 TENANTS = "tenants"
+BUDGET = "budget"
 # Seconds past a run's planned end before its Locust process counts as hung.
 LOCUST_GRACE_S = 120.0
 # Measured seconds of seed and chat-stream when --duration is not given.
@@ -253,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add(
         "--scenario",
-        choices=[*SCENARIOS, "all", *CAPACITY_SCENARIOS, SPILLOVER, BATCH, TENANTS],
+        choices=[*SCENARIOS, "all", *CAPACITY_SCENARIOS, SPILLOVER, BATCH, TENANTS, BUDGET],
         default="all",
     )
     add("--url", default=None, help="load this running server instead of starting llmgate")
@@ -285,6 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="soak: the same users on a vllm serve of the same model beside it",
     )
+    add("--race-runs", type=int, default=10, help="runs, each a fresh key (budget)")
+    add("--race-requests", type=int, default=64, help="requests sent at once per run (budget)")
+    add("--race-tokens", type=int, default=16, help="max_tokens of each (budget)")
+    add("--race-budget", type=int, default=300, help="first run's tokens a day (budget)")
     add("--bursts", type=int, default=3, help="bursts per mode (spillover)")
     add("--burst", type=int, default=24, help="requests sent at once per burst (spillover)")
     add("--burst-tokens", type=int, default=64, help="max_tokens of each (spillover)")
@@ -341,9 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.scenario in CAPACITY_SCENARIOS:
         print(f"{args.scenario}; results: {run_dir}")
         return run_capacity(args, run_dir, started)
-    if args.scenario in (BATCH, SPILLOVER, TENANTS):
+    if args.scenario in (BATCH, SPILLOVER, TENANTS, BUDGET):
         print(f"{args.scenario}; results: {run_dir}")
-        if args.scenario == BATCH:
+        if args.scenario == BUDGET:
+            from loadtest import budget_race as scenario
+
+            report = scenario.run(run_dir, args)
+        elif args.scenario == BATCH:
             from loadtest import batches as scenario
 
             report = scenario.run(run_dir, args)

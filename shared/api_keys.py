@@ -1,36 +1,22 @@
 """Named API keys with limits: the ``--api-keys-file`` formats, ``llmgate keys add|list|revoke``.
 
-A keys file is either a plain list (one key per line, ``#`` comments), as
-before, or YAML with a list under ``keys:``::
-
-    keys:
-      - name: team-a
-        id: key_9f86d081884c7d65          # optional: else "key_" and 16 hex digits of the hash
-        key_sha256: 9f86d081884c7d65...   # or `key: sk-...` (the secret itself)
-        requests_per_minute: 600          # optional limits; absent = none
-        tokens_per_minute: 200000         # prompt + completion
-        max_concurrent: 16
-        models: [smollm2, chat]           # served names and aliases it may use
-        priority: interactive             # or batch: only slots no interactive request waits for
-        admin: false                      # sees every key's usage, files, batches, responses
-
-Only the SHA-256 of a key is kept in memory (and, written by ``llmgate keys
-add``, in the file), so the file need not hold secrets. A key from a plain
-list or ``--api-keys`` is named ``key-`` and the first 8 hex digits of its
-hash: a stable name for usage and metrics that reveals nothing usable.
-
-A key's ``id`` owns what it makes (files, batches, stored responses, usage
-rows); its ``name`` is what people read (``/v1/usage``, metrics, logs). The
-two differ on purpose: a name revoked and added again with a new secret is a
-new key, with a new id, and owns nothing of the old one's. ``llmgate keys
-add`` writes the id into the file; an entry without one gets ``key_`` and the
-first 16 hex digits of its hash, so the id changes exactly when the secret does.
+A keys file is a plain list (one key per line, ``#`` comments) or YAML with
+a list of :class:`KeyEntry` under ``keys:`` (docs/tenants.md). Only a key's
+SHA-256 is kept, in memory and in what ``llmgate keys add`` writes, so the
+file need not hold secrets. A key's ``id`` owns what it makes (files,
+batches, stored responses, usage); its ``name`` is what people read. The
+two differ on purpose: an id not given follows the secret
+(:func:`derived_id`), so a name revoked and added again with a new secret
+is a new key that owns nothing of the old one's. This module reads and
+writes keys; checking them is ``gateway.api.auth``'s, limiting them
+``gateway.tenants``'.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import math
 import os
 import secrets
 import sys
@@ -48,6 +34,18 @@ KEY_PREFIX = "sk-llmgate-"
 ANONYMOUS = "-"
 
 
+class Budget(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a key may spend over a UTC day and a calendar month; 0 is no budget."""
+
+    tokens_per_day: int = 0
+    tokens_per_month: int = 0
+    usd_per_day: float = 0.0
+    usd_per_month: float = 0.0
+
+
+BUDGET_FIELDS = ("tokens_per_day", "tokens_per_month", "usd_per_day", "usd_per_month")
+
+
 class KeyEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One key: who it is, and what it may do. A limit of 0 is no limit."""
 
@@ -60,6 +58,8 @@ class KeyEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     models: tuple[str, ...] | None = None
     priority: Literal["interactive", "batch"] = "interactive"
     admin: bool = False
+    # Spend over a day and a month (gateway.tenants.budgets); None: no budget.
+    budget: Budget | None = None
     # What owns the key's files, batches, responses and usage; "" = derived
     # from the hash (``derived_id``), filled in on construction.
     id: str = ""
@@ -88,6 +88,7 @@ class _FileEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     models: list[str] | None = None
     priority: Literal["interactive", "batch"] = "interactive"
     admin: bool = False
+    budget: Budget | None = None
 
 
 class _File(msgspec.Struct, forbid_unknown_fields=True):
@@ -164,6 +165,13 @@ def _parse_yaml(loaded: dict[str, Any], source: str) -> list[KeyEntry]:
         for field in ("requests_per_minute", "tokens_per_minute", "max_concurrent"):
             if getattr(item, field) < 0:
                 raise ValueError(f"{where}: `{field}` must be 0 (no limit) or more")
+        budget = item.budget
+        for field in BUDGET_FIELDS if budget is not None else ():
+            value = getattr(budget, field)
+            if not value >= 0 or math.isinf(value):  # NaN and infinity too
+                raise ValueError(f"{where}: `budget.{field}` must be 0 (no budget) or more")
+        if budget is not None and not any(getattr(budget, f) for f in BUDGET_FIELDS):
+            budget = None
         entries.append(
             KeyEntry(
                 name=item.name,
@@ -174,6 +182,7 @@ def _parse_yaml(loaded: dict[str, Any], source: str) -> list[KeyEntry]:
                 models=tuple(item.models) if item.models is not None else None,
                 priority=item.priority,
                 admin=item.admin,
+                budget=budget,
                 id=item.id,
             )
         )
@@ -274,6 +283,12 @@ def describe(path: Path) -> list[str]:
             )
             if value
         ]
+        budget = entry.budget
+        limits += [
+            f"{field.replace('_', ' ')} {getattr(budget, field):g}"
+            for field in BUDGET_FIELDS
+            if budget is not None and getattr(budget, field)
+        ]
         models = ",".join(entry.models) if entry.models is not None else "all models"
         extra = [entry.priority, *(["admin"] if entry.admin else [])]
         rows.append(
@@ -294,6 +309,14 @@ def add_commands(commands: Any) -> None:
     add_cmd.add_argument("--models", default="", help="comma-separated served names or aliases")
     add_cmd.add_argument("--priority", choices=PRIORITIES, default="interactive")
     add_cmd.add_argument("--admin", action="store_true", help="sees every key's usage and state")
+    for field in BUDGET_FIELDS:
+        kind = float if field.startswith("usd") else int
+        add_cmd.add_argument(
+            "--" + field.replace("_", "-"),
+            type=kind,
+            default=0,
+            help="budget over a UTC day or a calendar month (dollars at the pools file's prices)",
+        )
     list_cmd = commands.add_parser("list", help="the keys of a keys file, without secrets")
     list_cmd.add_argument("--file", required=True, type=Path)
     revoke_cmd = commands.add_parser("revoke", help="remove a key from a YAML keys file")
@@ -315,6 +338,7 @@ def run(args: argparse.Namespace) -> bool:
                 models=models or None,
                 priority=None if args.priority == "interactive" else args.priority,
                 admin=args.admin,
+                budget={f: getattr(args, f) for f in BUDGET_FIELDS if getattr(args, f)} or None,
             )
             print(key)
             print(f"added {args.name!r} to {args.file}; the key is shown only now", file=sys.stderr)

@@ -2,37 +2,13 @@
 
 One file drives ``llmgate serve`` (which workers to start, where, with which
 engine flags), ``llmgate gateway`` (pools, aliases, ``auto`` rules, tiers),
-the compose generator and the Helm chart. Example (runs on a CPU-only box)::
-
-    pools:
-      - name: small               # pool name: metrics label, worker --pool
-        served_model_name: smollm2-bf16   # what clients ask for (default: name)
-        engine_args: [--dtype, bfloat16, --max-num-seqs, "4"]
-        devices: ["0"]            # per worker: CPU cores, or GPU ids on a GPU box
-        spill_after: 0            # seconds of queueing before spilling to tier 2
-      - name: large
-        served_model_name: smollm2-f32
-        engine_args: [--dtype, float32]
-        devices: ["1"]
-        tier: 2
-        substitute_for: [smollm2-bf16]    # may take the small pool's spill-over
-    aliases:
-      fast: smollm2-bf16
-    auto:
-      rules:
-        - {name: long-prompt, prompt_tokens_over: 500, use: smollm2-f32}
-      default: fast
-    cache:                        # the gateway's response cache (docs/cache.md)
-      url: memory                 # or redis://HOST:PORT/DB; empty = off
-      ttl: 600                    # seconds; also max_bytes (memory) and scope
-
-Errors name the file, the line and the field (:class:`ConfigError`), and are
-found before any process starts.
-
-``cache:`` gives the gateway's ``--cache``, ``--cache-ttl``,
-``--cache-max-bytes`` and ``--cache-scope``: a setting given as a flag or an
-``LLMGATE_CACHE*`` variable wins, the file's value applies where the setting
-is at its default (``gateway.cache.merge_config``).
+the compose generator and the Helm chart. :func:`load` checks the whole file
+before any process starts; a mistake is a :class:`ConfigError` naming the
+file, the line and the field. The file only describes: routing by it is
+``gateway.dispatch.models``'s, and its ``cache:`` section fills only the
+cache settings left at their defaults (``gateway.cache.merge_config``).
+The fields and a worked example (``examples/two-pools.yaml``) are in
+docs/models.md.
 """
 
 from __future__ import annotations
@@ -57,6 +33,13 @@ class ConfigError(ValueError):
     """A config file that cannot be used; the message names file, line and field."""
 
 
+class Price(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """US dollars per million tokens (what keys' dollar budgets are counted in)."""
+
+    input: float
+    output: float
+
+
 class Pool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: str
     # What clients ask for; the pool's name when empty.
@@ -77,6 +60,8 @@ class Pool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     substitute_for: list[str] = []
     # `llmgate gateway`: where this pool's workers listen (host:port or tcp://...).
     addresses: list[str] = []
+    # What its tokens cost, for keys' dollar budgets; None = not priced.
+    price: Price | None = None
 
     @property
     def model_name(self) -> str:
@@ -262,6 +247,11 @@ def _check(config: Config, source: str, lines: dict[tuple[str | int, ...], int])
             fail((*at, "engine_args"), "set the pool's served_model_name, not --served-model-name")
         if any(a == "--model" or a.startswith("--model=") for a in pool.engine_args):
             fail((*at, "engine_args"), "set the pool's model, not --model")
+        if pool.price is not None:
+            for field in ("input", "output"):
+                value = getattr(pool.price, field)
+                if not 0 <= value < float("inf"):  # NaN too
+                    fail((*at, "price", field), "must be 0 or more dollars per million tokens")
     served = set(config.served_models())
     for i, pool in enumerate(config.pools):
         for j, name in enumerate(pool.substitute_for):

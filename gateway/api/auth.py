@@ -122,6 +122,11 @@ class KeyRing:
         self._set(entries)
         log.info("API keys: re-read %s: %d keys", self.path, len(entries))
 
+    def entries(self) -> list[KeyEntry]:
+        """Every configured key, as the file says now."""
+        self.refresh()
+        return [entry for _, entry in self._entries]
+
     def with_id(self, key_id: str) -> KeyEntry | None:
         """The key whose id is ``key_id``, as the file says now (None if it is gone:
         revoked, or its name given to a new secret)."""

@@ -15,7 +15,14 @@ unknown is a 400. Rows show the key's name (``key``) and its id
                "requests": 3, "prompt_tokens": 30, "completion_tokens": 12,
                "cached_tokens": 0, "total_tokens": 42}, ...],
      "total": {"requests": 3, "prompt_tokens": 30, "completion_tokens": 12,
-               "cached_tokens": 0, "total_tokens": 42}}
+               "cached_tokens": 0, "total_tokens": 42},
+     "budgets": [{"object": "budget", "key": "team-a", "key_id": "key_9f86d081884c7d65",
+                  "budget": "usd_per_month", "period": "2025-06", "limit": 50.0,
+                  "spent": 1.25, "remaining": 48.75, "resets_at": 1751328000}, ...]}
+
+``budgets`` are the budgets of the keys shown (``gateway.tenants.budgets``), for
+the current day and month, whatever the date filters, as the limits store
+counts them now (spend reserved by requests under way included).
 
 Rows come by date, key and model. Each gateway process flushes its counts
 every few seconds (``gateway.state.ledger``), so a request shows here
@@ -69,13 +76,25 @@ async def usage(request: Request) -> Response:
                 "key",
             )
         shown = None  # its id's rows, whatever name they show
-    store = services_of(request).store
+    services = services_of(request)
+    store = services.store
     rows = await store.call(store.usage.rows, viewer, params.get("model"), start, end, shown)
+    if viewer is not None:
+        keys = [context.key] if context.key is not None else []
+    else:
+        keys = [entry for entry in services.keys.entries() if shown in (None, entry.name)]
+    budgets = []
+    for entry in keys:
+        for standing in await services.limits.standing(entry):
+            budgets.append(
+                {"object": "budget", "key": entry.name, "key_id": entry.id, **standing.as_dict()}
+            )
     return json_response(
         {
             "object": "list",
             "data": [_row(row) for row in rows],
             "total": _with_total({name: sum(row[name] for row in rows) for name in COUNTS}),
+            "budgets": budgets,
         }
     )
 

@@ -79,7 +79,7 @@ async def create_file(request: Request) -> Response:
     store = services.store
     context = context_of(request.scope)
     if context.key is not None and limits.has_limits(context.key):
-        await services.limits.admit(context, context.key, lambda: 0)
+        await services.limits.admit(context, context.key, lambda: (0, 0))
     limit = _batches(request).max_file_bytes
     declared = header(request, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:

@@ -207,6 +207,24 @@ class Models:
                 return False
         return True
 
+    def price(self, target: Target) -> pools_config.Price | None:
+        """The price a request for ``target`` is counted at: the dearest of the
+        pools it may run on (spill-over, a cascade's escalation), so no route
+        costs less than it may; None when any of them has no price."""
+        if self.config is None:
+            return None
+        by_pool = {pool.name: pool.price for pool in self.config.pools}
+        names = [tier.pool for tier in target.tiers]
+        if target.escalate_to is not None:
+            names += [tier.pool for tier in target.escalate_to.tiers]
+        prices = [by_pool.get(name) for name in names]
+        if not prices or any(price is None for price in prices):
+            return None
+        known = [price for price in prices if price is not None]
+        return pools_config.Price(
+            input=max(p.input for p in known), output=max(p.output for p in known)
+        )
+
     def prompt_tokens(self, raw: dict[str, Any]) -> int:
         """The prompt's length in tokens, whatever the dialect (:func:`prompt_parts`);
         token-id prompts count as given, text (without a chat template's own

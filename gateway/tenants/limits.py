@@ -1,38 +1,15 @@
 """Per-key limits: requests and tokens a minute and requests at once, for every process at once.
 
-A request whose API key (``shared.api_keys.KeyEntry``) has limits is
-admitted here once its model is resolved, before the response cache and
-admission (``gateway.api.call``): :meth:`Limiter.admit` takes one request,
-its token reservation and, with ``max_concurrent``, a running slot, or
-raises ``errors.RateLimited`` (429, ``Retry-After``). Its :class:`Grant`
-goes in the request's context; :class:`LimitScope` around the app puts OpenAI's
-``x-ratelimit-*`` headers on the response's first message, whatever it is
-(an answer, a stream, a cache hit, an error, the 429 itself), and ends the
-grant when the app returns, however the request ended: the slot is given
-back and the tokens settled.
-
-Tokens are counted before the request runs: its prompt (estimated at
-``gateway.dispatch.models.CHARS_PER_TOKEN`` characters a token, or counted with the
-tokenizer the pools file's ``auto`` rules load: exact counting would cost a
-tokenizer pass per request, and the estimate is settled anyway) plus what
-it may generate: ``max_tokens`` (``max_completion_tokens``,
-``max_output_tokens``) per choice, or the rest of the model's context (as
-its workers report it) when it sets none. When the request ends the
-reservation is settled to the worker's count (prompt + completion tokens);
-a request refused before it ran (an error status) gives its tokens back,
-and so does a cache hit, which costs no GPU time; one the gateway itself
-could not serve (503: no worker, its model not ready; 429: the queue full)
-gives its request back too, since the key did nothing wrong. A request that
-ended early (a client gone, a stream cut) pays what the engine computed
-(``gateway.api.accounting``); one that left before any count came (499)
-keeps its reservation.
-
-Where the counts live: in this process (``MemoryLimits``, the default), or
-in Redis with ``--limits redis://HOST:PORT/DB`` (``RedisLimits``: every
-process and replica shares them). While Redis does not answer the gateway
-limits each process on its own, logs that once (and once when Redis is
-back), counts each failure in ``llmgate_limits_store_errors_total``, and
-tries Redis again every ``RETRY_SECONDS``.
+Once a request's model is resolved, before the response cache and admission
+(``gateway.api.call``), :meth:`Limiter.admit` takes one request of its key,
+a reservation of the tokens it may cost and, with ``max_concurrent``, a
+running slot, or raises ``errors.RateLimited`` (429, ``Retry-After``): it
+never queues. :class:`LimitScope` puts OpenAI's ``x-ratelimit-*`` headers on
+the response and ends the :class:`Grant` however the request ended, settling
+the reservation to what the engine computed (``gateway.api.accounting``).
+Counts live in this process (``MemoryLimits``) or, with ``--limits``, in
+Redis (``RedisLimits``) for every process and replica; while Redis does not
+answer, each process limits on its own.
 """
 
 from __future__ import annotations
@@ -40,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import time
 import uuid
 from collections.abc import Callable, Coroutine
@@ -52,10 +28,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway import errors
 from gateway.context import RequestContext, context_of
 from gateway.dispatch.models import Target
+from gateway.tenants import budgets
+from gateway.tenants.costs import choices_of, prompt_bound, reserved
 from gateway.tenants.redis_limits import LEASE_SECONDS, TIMEOUT, RedisLimits
-from gateway.tenants.windows import CONCURRENT, TOO_LARGE, Decision, MemoryLimits
+from gateway.tenants.refusals import rate_headers, refusal
+from gateway.tenants.windows import MemoryLimits
 from shared import protocol
 from shared.api_keys import KeyEntry
+from shared.config import Price
 from shared.redact import redact_url
 
 log = logging.getLogger(__name__)
@@ -81,124 +61,38 @@ REFUSED = Counter(
     ["key", "limit"],
 )
 
-# The fields that carry a prompt: chat, completions, the Responses API.
-_PROMPT_FIELDS = ("messages", "prompt", "input")
-_LABELS = {"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)"}
-
 
 def has_limits(entry: KeyEntry) -> bool:
-    return bool(entry.requests_per_minute or entry.tokens_per_minute or entry.max_concurrent)
-
-
-def duration(seconds: float) -> str:
-    """``seconds`` as OpenAI's reset headers write it: ``20ms``, ``1s``, ``1.5s``, ``6m0s``."""
-    ms = max(0, math.ceil(seconds * 1000))
-    if ms == 0:
-        return "0s"
-    if ms < 1000:
-        return f"{ms}ms"
-    hours, rest = divmod(ms, 3_600_000)
-    minutes, rest = divmod(rest, 60_000)
-    text = f"{rest / 1000:.3f}".rstrip("0").rstrip(".") + "s"
-    if hours:
-        return f"{hours}h{minutes}m{text}"
-    return f"{minutes}m{text}" if minutes else text
-
-
-def rate_headers(entry: KeyEntry, decision: Decision) -> dict[str, str]:
-    """OpenAI's ``x-ratelimit-*`` headers for the key's windows (none for a limit it has not)."""
-    headers = {}
-    if entry.requests_per_minute:
-        headers["x-ratelimit-limit-requests"] = str(entry.requests_per_minute)
-        headers["x-ratelimit-remaining-requests"] = str(decision.remaining_requests)
-        headers["x-ratelimit-reset-requests"] = duration(decision.reset_requests)
-    if entry.tokens_per_minute:
-        headers["x-ratelimit-limit-tokens"] = str(entry.tokens_per_minute)
-        headers["x-ratelimit-remaining-tokens"] = str(decision.remaining_tokens)
-        headers["x-ratelimit-reset-tokens"] = duration(decision.reset_tokens)
-    return headers
-
-
-def reservation(raw: dict[str, Any], prompt_tokens: int, context: int, choices: int) -> int:
-    """Tokens a request may cost: its prompt, and per choice what it may generate
-    (its ``max_tokens``, else the rest of the ``context``; 0 = not known). A body
-    with no prompt at all (vLLM's ``/version``, ``/ping``) generates nothing."""
-    asked = next(
-        (
-            raw[name]
-            for name in ("max_tokens", "max_completion_tokens", "max_output_tokens")
-            if isinstance(raw.get(name), int) and raw[name] > 0
-        ),
-        None,
-    )
-    room = max(context - prompt_tokens, 0) if context else None
-    if asked is None:
-        generated = (room or 0) if any(k in raw for k in _PROMPT_FIELDS) else 0
-    else:
-        generated = asked if room is None else min(asked, room)
-    return prompt_tokens + generated * max(choices, 1)
-
-
-def choices_of(raw: dict[str, Any]) -> int:
-    """How many sequences a request may generate: ``n`` (or ``best_of``, when
-    larger) for each of its prompts (a completions list of several, or the
-    conversations of vLLM's ``/v1/chat/completions/batch``)."""
-    width = max(
-        (v for v in (raw.get("n"), raw.get("best_of")) if type(v) is int and v > 0), default=1
-    )
-    prompts = 1
-    for name in ("prompt", "messages"):
-        value = raw.get(name)
-        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-            prompts = len(value) if name == "prompt" or isinstance(value[0], list) else 1
-    return width * prompts
-
-
-def refusal(entry: KeyEntry, decision: Decision, cost: int) -> errors.RateLimited:
-    """The 429 for a refused ``decision``, worded as OpenAI words its own."""
-    name = entry.name
-    if decision.refused_by == TOO_LARGE:
-        return errors.RateLimited(
-            f"Request too large for the API key {name!r} on tokens per min (TPM): "
-            f"Limit {entry.tokens_per_minute}, Requested {cost}. Reduce the prompt "
-            "or max_tokens.",
-            None,
-            "tokens",
-        )
-    wait = math.ceil(decision.retry_after or 1)
-    if decision.refused_by == CONCURRENT:
-        return errors.RateLimited(
-            f"Concurrency limit reached for the API key {name!r}: Limit "
-            f"{entry.max_concurrent} requests at once. Please try again when one ends.",
-            wait,
-        )
-    if decision.refused_by == "requests":
-        limit, remaining, requested = entry.requests_per_minute, decision.remaining_requests, 1
-    else:
-        limit, remaining, requested = entry.tokens_per_minute, decision.remaining_tokens, cost
-    return errors.RateLimited(
-        f"Rate limit reached for the API key {name!r} on {_LABELS[decision.refused_by]}: "
-        f"Limit {limit}, Used {limit - remaining}, Requested {requested}. "
-        f"Please try again in {duration(decision.retry_after or 0)}.",
-        wait,
-        "tokens" if decision.refused_by == "tokens" else "requests",
+    return bool(
+        entry.requests_per_minute
+        or entry.tokens_per_minute
+        or entry.max_concurrent
+        or entry.budget is not None
     )
 
 
 class Grant:
     """One admitted request's hold on its key: its slot and its token reservation."""
 
-    __slots__ = ("cost", "entry", "lease", "limiter", "shared", "tokens")
+    __slots__ = ("cost", "entry", "hold", "lease", "limiter", "shared", "tokens", "usage")
 
     def __init__(
-        self, limiter: Limiter, entry: KeyEntry, cost: int, lease: str, shared: bool
+        self,
+        limiter: Limiter,
+        entry: KeyEntry,
+        cost: int,
+        lease: str,
+        shared: bool,
+        hold: budgets.Hold | None = None,
     ) -> None:
         self.limiter = limiter
         self.entry = entry  # as it was at admission: a reload changes nothing here
         self.cost = cost
         self.lease = lease
         self.shared = shared  # counted in Redis, not in this process
+        self.hold = hold  # its reservation in its key's budgets
         self.tokens: int | None = None  # what it cost, once known
+        self.usage: tuple[int, int] = (0, 0)  # of which prompt, completion
 
     def end(self, status: int | None) -> None:
         """Give the slot back and settle the tokens; ``status``: the response's
@@ -211,6 +105,12 @@ class Grant:
         # done the work, and a client timing out must not make it free.
         delta = 0 if tokens is None else tokens - self.cost
         self.limiter.finish(self, delta, refund_request=not ran and status in GATEWAY_REFUSED)
+        hold = self.hold
+        if hold is not None and tokens is not None:
+            prompt, completion = self.usage if ran else (0, 0)
+            self.limiter.settle_budget(
+                hold, budgets.cost(prompt, completion, hold.price) - hold.reserved
+            )
 
 
 class Limiter:
@@ -221,9 +121,16 @@ class Limiter:
         url: str = "",
         clock: Callable[[], float] = time.monotonic,
         timeout: float = TIMEOUT,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.memory = MemoryLimits(clock)
         self.redis = RedisLimits(url, timeout=timeout) if url else None
+        # Budgets go by the calendar (UTC days and months): the wall clock.
+        self.budgets = budgets.MemoryBudgets(wall_clock)
+        self.redis_budgets = (
+            budgets.RedisBudgets(self.redis.client, wall_clock) if self.redis else None
+        )
+        self.wall_clock = wall_clock
         # What a failed Redis call raises (redis is imported only when used).
         self._failures: tuple[type[BaseException], ...] = (OSError,)
         if url:
@@ -259,11 +166,32 @@ class Limiter:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     async def admit(
-        self, context: RequestContext, entry: KeyEntry, cost: Callable[[], int]
+        self,
+        context: RequestContext,
+        entry: KeyEntry,
+        cost: Callable[[], tuple[int, int]],
+        price: Price | None = None,
+        bound: Callable[[], tuple[int, int]] | None = None,
     ) -> None:
-        """Take one request of ``entry``'s and its ``cost()`` tokens (called only
-        with a tokens limit), or raise ``errors.RateLimited``."""
-        tokens = cost() if entry.tokens_per_minute else 0
+        """Take one request of ``entry``'s and the tokens it may cost (``cost()``:
+        prompt and completion, asked only with a tokens limit), and in its
+        budgets at most what it can cost (``bound()``, else ``cost()``) at
+        ``price``, or raise ``errors.RateLimited``."""
+        hold = None
+        if entry.budget is not None:
+            most = (bound or cost)()
+            hold = await self._reserve_budget(entry, budgets.cost(*most, price), price)
+        try:
+            tokens = sum(cost()) if entry.tokens_per_minute else 0
+            await self._admit(context, entry, tokens, hold)
+        except BaseException:
+            if hold is not None:  # refused by a rate limit, or the client left
+                self.settle_budget(hold, budgets.Cost(0, 0) - hold.reserved)
+            raise
+
+    async def _admit(
+        self, context: RequestContext, entry: KeyEntry, tokens: int, hold: budgets.Hold | None
+    ) -> None:
         lease = f"{self._process}:{next(self._leases)}"
         decision = None
         if self._uses_redis():
@@ -284,7 +212,7 @@ class Limiter:
         if not decision.allowed:
             REFUSED.labels(entry.name, decision.refused_by).inc()
             raise refusal(entry, decision, tokens)
-        grant = Grant(self, entry, tokens, lease, shared)
+        grant = Grant(self, entry, tokens, lease, shared, hold)
         if shared and entry.max_concurrent:
             self._held[lease] = grant
         context.grant = grant
@@ -311,6 +239,57 @@ class Limiter:
                 await self.redis.refund_request(grant.entry)
         except self._failures as exc:
             self._redis_failed("finish", exc)
+
+    async def _reserve_budget(
+        self, entry: KeyEntry, want: budgets.Cost, price: Price | None
+    ) -> budgets.Hold:
+        """Take ``want`` from the key's budgets, or raise ``errors.OverBudget``."""
+        taken = None
+        if self._uses_redis():
+            assert self.redis_budgets is not None
+            try:
+                taken = await self.redis_budgets.reserve(entry, want)
+                self._redis_answered()
+            except self._failures as exc:
+                self._redis_failed("budget", exc)
+        shared = taken is not None
+        if taken is None:
+            taken = self.budgets.reserve(entry, want)
+        if isinstance(taken, budgets.Refusal):
+            REFUSED.labels(entry.name, "budget").inc()
+            raise budgets.over_budget(entry, taken, self.wall_clock())
+        budgets.show(entry, taken.spent)
+        return budgets.Hold(entry, taken.period_ids, want, price, shared)
+
+    def settle_budget(self, hold: budgets.Hold, delta: budgets.Cost) -> None:
+        """Move the reservation ``hold`` by ``delta``, where it was made."""
+        if not (delta.tokens or delta.micro_usd):
+            return
+        if not hold.shared:
+            budgets.show(hold.entry, self.budgets.add(hold.entry, hold.period_ids, delta))
+            return
+        self._spawn(self._settle_shared_budget(hold, delta))
+
+    async def _settle_shared_budget(self, hold: budgets.Hold, delta: budgets.Cost) -> None:
+        assert self.redis_budgets is not None
+        try:
+            spent = await self.redis_budgets.add(hold.entry, hold.period_ids, delta)
+        except self._failures as exc:
+            self._redis_failed("budget", exc)
+            return
+        budgets.show(hold.entry, spent)
+
+    async def standing(self, entry: KeyEntry) -> list[budgets.Standing]:
+        """Each of the key's budgets now, from where they are counted."""
+        if entry.budget is None:
+            return []
+        if self._uses_redis():
+            assert self.redis_budgets is not None
+            try:
+                return await self.redis_budgets.standing(entry)
+            except self._failures as exc:
+                self._redis_failed("budget", exc)
+        return self.budgets.standing(entry)
 
     def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -390,23 +369,42 @@ async def admit(
     if entry is None or not has_limits(entry) or limiter is None:
         return
 
-    def cost() -> int:
+    price = pool.names.price(target) if entry.budget is not None else None
+    if price is None and budgets.needs_price(entry):
+        raise errors.Forbidden(
+            f"The API key {entry.name!r} has a budget in US dollars, and the model "
+            f"`{target.model}` has no price in the pools file.",
+            "model",
+        )
+    # The builder's choices, or what a forwarded body asks for (n, best_of, ...).
+    sequences = max(choices, choices_of(raw))
+
+    def cost() -> tuple[int, int]:
         context = max(
             (w.max_model_len for w in pool.healthy_workers() if target.model in w.models),
             default=0,
         )
-        # The builder's choices, or what a forwarded body asks for (n, best_of, ...).
-        sequences = max(choices, choices_of(raw))
-        return reservation(raw, pool.names.prompt_tokens(raw), context, sequences)
+        # The prompt is estimated (``gateway.dispatch.models.CHARS_PER_TOKEN``)
+        # unless the pools file's ``auto`` rules loaded a tokenizer: exact counting
+        # would cost a tokenizer pass per request, and the reservation is settled anyway.
+        return reserved(raw, pool.names.prompt_tokens(raw), context, sequences)
 
-    await limiter.admit(context, entry, cost)
+    def bound() -> tuple[int, int]:
+        """A budget's reservation: the prompt's bound, never less than it costs."""
+        return prompt_bound(raw), cost()[1]
+
+    await limiter.admit(context, entry, cost, price, bound)
 
 
 def settle(context: RequestContext, usage: protocol.Usage | None) -> None:
     """What the request cost, once known (None: a cache hit, which cost nothing)."""
     grant = context.grant
     if grant is not None:
-        grant.tokens = 0 if usage is None else usage.prompt_tokens + usage.completion_tokens
+        if usage is None:
+            grant.tokens = 0
+        else:
+            grant.usage = (usage.prompt_tokens, usage.completion_tokens)
+            grant.tokens = usage.prompt_tokens + usage.completion_tokens
 
 
 class LimitScope:

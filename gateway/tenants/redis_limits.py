@@ -216,5 +216,10 @@ class RedisLimits:
         """Leases of the key ``key_id`` not yet lapsed (for tests and operators)."""
         return int(await self._client.zcard(key_of(key_id, "conc")))
 
+    @property
+    def client(self) -> Any:
+        """The Redis client (the key budgets' counters live there too)."""
+        return self._client
+
     async def close(self) -> None:
         await self._client.aclose()

@@ -25,16 +25,10 @@ from prometheus_client import REGISTRY
 from gateway import errors
 from gateway.context import RequestContext, context_of
 from gateway.tenants import limits as limits_module
-from gateway.tenants.limits import (
-    Limiter,
-    LimitScope,
-    choices_of,
-    duration,
-    rate_headers,
-    reservation,
-    settle,
-)
+from gateway.tenants.costs import choices_of, reservation
+from gateway.tenants.limits import Limiter, LimitScope, settle
 from gateway.tenants.redis_limits import RedisLimits, key_of
+from gateway.tenants.refusals import duration, rate_headers
 from gateway.tenants.windows import Decision, MemoryLimits
 from shared import protocol
 from shared.api_keys import KeyEntry
@@ -74,14 +68,14 @@ def key(**limits: int) -> KeyEntry:
 async def take(limiter: Limiter, entry: KeyEntry, cost: int = 0) -> RequestContext:
     """One admission; the request's context (its grant and headers)."""
     context = RequestContext(key=entry)
-    await limiter.admit(context, entry, lambda: cost)
+    await limiter.admit(context, entry, lambda: (cost, 0))
     return context
 
 
 async def refused(limiter: Limiter, entry: KeyEntry, cost: int = 0) -> errors.RateLimited:
     context = RequestContext(key=entry)
     with pytest.raises(errors.RateLimited) as caught:
-        await limiter.admit(context, entry, lambda: cost)
+        await limiter.admit(context, entry, lambda: (cost, 0))
     assert context.grant is None
     return caught.value
 
@@ -301,7 +295,7 @@ def app_that(
 ) -> LimitScope:
     async def app(scope: Any, receive: Any, send: Any) -> None:
         context = context_of(scope)
-        await limiter.admit(context, entry, lambda: cost)
+        await limiter.admit(context, entry, lambda: (cost, 0))
         await behaviour(context, send)
 
     return LimitScope(app)

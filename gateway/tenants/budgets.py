@@ -1,0 +1,344 @@
+"""Spend budgets per key: tokens or US dollars over a UTC day and a calendar month.
+
+A request of a key with a ``budget`` (``shared.api_keys.Budget``) reserves,
+before it runs, what it may cost in each of the key's budgets for the
+current UTC day and month: the token limit's reservation (prompt + most
+completion), and in dollars that at its model's price (``shared.config.Price``).
+A budget it would pass refuses it (429 ``insufficient_quota``, with when the
+budget resets). When it ends the reservation is settled to the engine's
+count, in the periods it was reserved in. A reservation checks and takes
+every budget of the key at once (one process: on its event loop; Redis: one
+Lua script), so concurrent requests through any number of gateways spend
+past a budget only by what settlement adds beyond their reservations.
+
+Dollars are counted in micro-dollars, as integers: a price in dollars per
+million tokens is micro-dollars per token.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from prometheus_client import Gauge
+
+from gateway import errors
+from shared.api_keys import Budget, KeyEntry
+from shared.config import Price
+
+REMAINING = Gauge(
+    "llmgate_key_budget_remaining",
+    "What an API key may still spend of a budget this period (tokens, or US dollars), "
+    "as this process last saw it, by key name and budget (tokens_per_day, usd_per_month, ...).",
+    ["key", "budget"],
+    multiprocess_mode="mostrecent",
+)
+
+PERIODS = ("day", "month")
+MICRO = 1_000_000
+# Seconds a Redis counter outlives its period: long enough for requests
+# reserved in it to settle, short enough not to keep every period forever.
+KEPT_AFTER = 2 * 24 * 3600
+
+
+@dataclass(frozen=True, slots=True)
+class Period:
+    """A UTC day (``2026-12-06``) or calendar month (``2026-12``) and when it ends."""
+
+    name: str
+    id: str
+    ends_at: float
+
+
+def periods(now: float) -> dict[str, Period]:
+    """The day and the month ``now`` (Unix time) falls in, in UTC."""
+    moment = datetime.fromtimestamp(now, UTC)
+    day = moment.replace(hour=0, minute=0, second=0, microsecond=0)
+    month = day.replace(day=1)
+    next_month = month.replace(year=month.year + 1, month=1) if month.month == 12 else None
+    next_month = next_month or month.replace(month=month.month + 1)
+    return {
+        "day": Period("day", day.strftime("%Y-%m-%d"), day.timestamp() + 24 * 3600),
+        "month": Period("month", month.strftime("%Y-%m"), next_month.timestamp()),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    """What a request may cost, or did: tokens and micro-dollars."""
+
+    tokens: int
+    micro_usd: int
+
+    def __sub__(self, other: Cost) -> Cost:
+        return Cost(self.tokens - other.tokens, self.micro_usd - other.micro_usd)
+
+
+def cost(prompt_tokens: int, completion_tokens: int, price: Price | None) -> Cost:
+    """The cost of so many tokens at ``price`` (None: no dollars)."""
+    micro = 0
+    if price is not None:
+        micro = math.ceil(prompt_tokens * price.input + completion_tokens * price.output)
+    return Cost(prompt_tokens + completion_tokens, micro)
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """One of a key's budgets: ``field`` as the keys file names it."""
+
+    field: str
+    unit: str  # tokens or usd
+    period: str  # day or month
+    amount: int  # tokens, or micro-dollars
+
+    def of(self, spend: Cost) -> int:
+        return spend.tokens if self.unit == "tokens" else spend.micro_usd
+
+    def shown(self, amount: int) -> str:
+        return f"${amount / MICRO:,.2f}" if self.unit == "usd" else f"{amount:,} tokens"
+
+
+def limits_of(budget: Budget) -> list[Limit]:
+    """The budgets a key has (a 0 is none)."""
+    out = []
+    for unit in ("tokens", "usd"):
+        for period in PERIODS:
+            field = f"{unit}_per_{period}"
+            value = getattr(budget, field)
+            if value:
+                amount = round(value * MICRO) if unit == "usd" else int(value)
+                out.append(Limit(field, unit, period, amount))
+    return out
+
+
+def needs_price(entry: KeyEntry) -> bool:
+    budget = entry.budget
+    return budget is not None and bool(budget.usd_per_day or budget.usd_per_month)
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """The budget a reservation would pass, how much of it is spent, and when it resets."""
+
+    limit: Limit
+    spent: int
+    requested: int
+    ends_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """A reservation made: the period ids it was made in, and each budget's
+    spend after it (in ``limits_of``'s order)."""
+
+    period_ids: dict[str, str]
+    spent: list[int]
+
+
+@dataclass(slots=True)
+class Hold:
+    """One admitted request's reservation: settled once it ends."""
+
+    entry: KeyEntry
+    # The period ids it was reserved in: it settles there, even past midnight.
+    period_ids: dict[str, str]
+    reserved: Cost
+    price: Price | None
+    shared: bool  # reserved in Redis, not in this process
+
+
+@dataclass(frozen=True, slots=True)
+class Standing:
+    """One budget's state: for ``/v1/usage``, ``llmgate keys list`` and the gauge."""
+
+    limit: Limit
+    period_id: str
+    spent: int
+    ends_at: float
+
+    def as_dict(self) -> dict[str, Any]:
+        """Tokens as integers, dollars as dollars."""
+        remaining = max(self.limit.amount - self.spent, 0)
+        amounts: tuple[float, float, float] = (self.limit.amount, self.spent, remaining)
+        if self.limit.unit == "usd":
+            amounts = tuple(amount / MICRO for amount in amounts)  # type: ignore[assignment]
+        limit, spent, left = amounts
+        return {
+            "budget": self.limit.field,
+            "period": self.period_id,
+            "limit": limit,
+            "spent": spent,
+            "remaining": left,
+            "resets_at": int(self.ends_at),
+        }
+
+
+def show(entry: KeyEntry, spent: list[int]) -> None:
+    """Set the key's ``llmgate_key_budget_remaining`` from each budget's spend."""
+    assert entry.budget is not None
+    for limit, amount in zip(limits_of(entry.budget), spent, strict=True):
+        scale = MICRO if limit.unit == "usd" else 1
+        REMAINING.labels(entry.name, limit.field).set(max(limit.amount - amount, 0) / scale)
+
+
+def over_budget(entry: KeyEntry, refusal: Refusal, now: float) -> errors.OverBudget:
+    """The 429 for a spent budget, worded as OpenAI words a quota used up."""
+    limit = refusal.limit
+    resets = datetime.fromtimestamp(refusal.ends_at, UTC).strftime("%Y-%m-%d %H:%M UTC")
+    if refusal.requested > limit.amount:
+        what = f"this request may cost {limit.shown(refusal.requested)}, more than the budget"
+    else:
+        what = f"Used {limit.shown(refusal.spent)}, Requested {limit.shown(refusal.requested)}"
+    return errors.OverBudget(
+        f"You exceeded the budget of the API key {entry.name!r} on {limit.field}: "
+        f"Limit {limit.shown(limit.amount)}, {what}. It resets at {resets}.",
+        max(1, math.ceil(refusal.ends_at - now)),
+    )
+
+
+def counter(key_id: str, limit: Limit, period_id: str) -> str:
+    """A budget's counter in Redis (one hash slot per key, as the rate windows)."""
+    return f"llmgate:budget:v1:{{{key_id}}}:{limit.unit}:{period_id}"
+
+
+class MemoryBudgets:
+    """Every key's spend in this process (``--limits`` empty, or Redis away)."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        # (key id, unit, period id) -> tokens or micro-dollars
+        self._spent: dict[tuple[str, str, str], int] = {}
+
+    def reserve(self, entry: KeyEntry, want: Cost) -> Refusal | Taken:
+        """Take ``want`` from every budget of ``entry``, or none and say which refuses."""
+        assert entry.budget is not None
+        now_periods = periods(self.clock())
+        for limit in limits_of(entry.budget):
+            period = now_periods[limit.period]
+            spent = self._spent.get((entry.id, limit.unit, period.id), 0)
+            if spent + limit.of(want) > limit.amount:
+                return Refusal(limit, spent, limit.of(want), period.ends_at)
+        ids = {name: period.id for name, period in now_periods.items()}
+        return Taken(ids, self.add(entry, ids, want))
+
+    def add(self, entry: KeyEntry, period_ids: dict[str, str], delta: Cost) -> list[int]:
+        """Move the key's spend by ``delta`` (negative: given back) in those
+        periods; each budget's spend after."""
+        assert entry.budget is not None
+        spent = []
+        for limit in limits_of(entry.budget):
+            slot = (entry.id, limit.unit, period_ids[limit.period])
+            spent.append(self._spent.get(slot, 0) + limit.of(delta))
+            self._spent[slot] = spent[-1]
+        if len(self._spent) > 4096:
+            self._forget_past()
+        return spent
+
+    def standing(self, entry: KeyEntry) -> list[Standing]:
+        if entry.budget is None:
+            return []
+        now_periods = periods(self.clock())
+        out = []
+        for limit in limits_of(entry.budget):
+            period = now_periods[limit.period]
+            spent = self._spent.get((entry.id, limit.unit, period.id), 0)
+            out.append(Standing(limit, period.id, spent, period.ends_at))
+        return out
+
+    def _forget_past(self) -> None:
+        """Drop the counts of days and months before the current ones' predecessors."""
+        now_periods = periods(self.clock())
+        yesterday = periods(self.clock() - 24 * 3600)
+        kept = {p.id for p in (*now_periods.values(), *yesterday.values())}
+        self._spent = {slot: n for slot, n in self._spent.items() if slot[2] in kept}
+
+
+# KEYS: one counter per budget. ARGV: for each, its limit then the amount
+# wanted; then the seconds the counters are kept. Returns {0, spend after,
+# ...} when taken, else {the 1-based index of the budget that refuses, its spend}.
+RESERVE = """
+local n = #KEYS
+for i = 1, n do
+  local spent = tonumber(redis.call('GET', KEYS[i]) or '0')
+  if spent + tonumber(ARGV[2 * i]) > tonumber(ARGV[2 * i - 1]) then
+    return {i, spent}
+  end
+end
+local keep = tonumber(ARGV[2 * n + 1])
+local out = {0}
+for i = 1, n do
+  out[i + 1] = redis.call('INCRBY', KEYS[i], ARGV[2 * i])
+  redis.call('EXPIRE', KEYS[i], keep)
+end
+return out
+"""
+
+# KEYS: one counter per budget. ARGV: the delta for each (negative: given
+# back). A counter already gone (its period long over) stays gone. Returns
+# each spend after.
+ADD = """
+local out = {}
+for i = 1, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then
+    out[i] = redis.call('INCRBY', KEYS[i], ARGV[i])
+  else
+    out[i] = 0
+  end
+end
+return out
+"""
+
+
+class RedisBudgets:
+    """Every key's spend in Redis, shared by every gateway process and replica."""
+
+    def __init__(self, client: Any, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self._client = client
+        self._reserve = client.register_script(RESERVE)
+        self._add = client.register_script(ADD)
+
+    async def reserve(self, entry: KeyEntry, want: Cost) -> Refusal | Taken:
+        assert entry.budget is not None
+        now = self.clock()
+        now_periods = periods(now)
+        limits = limits_of(entry.budget)
+        keys = [counter(entry.id, lim, now_periods[lim.period].id) for lim in limits]
+        args: list[int] = []
+        for limit in limits:
+            args += [limit.amount, limit.of(want)]
+        refused, *spent = await self._reserve(keys, [*args, _keep(now_periods, now)])
+        if int(refused):
+            limit = limits[int(refused) - 1]
+            ends_at = now_periods[limit.period].ends_at
+            return Refusal(limit, int(spent[0]), limit.of(want), ends_at)
+        ids = {name: period.id for name, period in now_periods.items()}
+        return Taken(ids, [int(n) for n in spent])
+
+    async def add(self, entry: KeyEntry, period_ids: dict[str, str], delta: Cost) -> list[int]:
+        assert entry.budget is not None
+        limits = limits_of(entry.budget)
+        keys = [counter(entry.id, lim, period_ids[lim.period]) for lim in limits]
+        return [int(n) for n in await self._add(keys, [limit.of(delta) for limit in limits])]
+
+    async def standing(self, entry: KeyEntry) -> list[Standing]:
+        if entry.budget is None:
+            return []
+        now_periods = periods(self.clock())
+        limits = limits_of(entry.budget)
+        keys = [counter(entry.id, lim, now_periods[lim.period].id) for lim in limits]
+        values = await self._client.mget(keys) if keys else []
+        return [
+            Standing(lim, now_periods[lim.period].id, int(v or 0), now_periods[lim.period].ends_at)
+            for lim, v in zip(limits, values, strict=True)
+        ]
+
+
+def _keep(now_periods: dict[str, Period], now: float) -> int:
+    """Seconds a counter is kept: past the end of the longest period, and then some."""
+    ends = max(period.ends_at for period in now_periods.values())
+    return math.ceil(ends - now) + KEPT_AFTER

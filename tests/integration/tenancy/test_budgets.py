@@ -1,0 +1,76 @@
+"""A key's daily token budget under a race: 64 requests at once through two gateways
+sharing Redis, in front of the real engine. The budget admits what fits, refuses the
+rest with OpenAI's ``insufficient_quota``, and ends at exactly what the engine counted
+for the answers it let through, never past the budget: each request reserved at least
+what it could cost (``gateway.tenants.costs.prompt_bound``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+
+from gateway.tenants.costs import prompt_bound
+from tests.conftest import MODEL
+from tests.integration.tenancy.conftest import ADMIN, Tenancy
+
+BUDGET = 300  # tokens a day: about a quarter of the race's reservations
+MAX_TOKENS = 16
+RACERS = 64
+BODY = {
+    "model": MODEL,
+    "prompt": "Budget race: count to ten.",
+    "max_tokens": MAX_TOKENS,
+    "temperature": 0,
+    "ignore_eos": True,
+}
+
+
+async def race(tenancy: Tenancy, key: str) -> list[httpx.Response]:
+    headers = {"Authorization": f"Bearer {key}"}
+    clients = [
+        httpx.AsyncClient(base_url=gateway.base_url, headers=headers, timeout=300)
+        for gateway in tenancy.gateways
+    ]
+    try:
+        return await asyncio.gather(
+            *(clients[i % 2].post("/v1/completions", json=BODY) for i in range(RACERS))
+        )
+    finally:
+        for client in clients:
+            await client.aclose()
+
+
+def budget_of(tenancy: Tenancy, name: str) -> dict[str, Any]:
+    answer = tenancy.client(ADMIN).get("/v1/usage", params={"key": name}).json()
+    (budget,) = [row for row in answer["budgets"] if row["key"] == name]
+    return dict(budget)
+
+
+def test_a_budget_race_over_two_gateways_never_passes_the_budget(
+    tenancy: Tenancy,
+) -> None:
+    key = tenancy.known("racer", budget={"tokens_per_day": BUDGET})
+    answers = asyncio.run(race(tenancy, key))
+    statuses = sorted({answer.status_code for answer in answers})
+    assert statuses == [200, 429], [a.text for a in answers if a.status_code not in (200, 429)]
+    refused = [answer for answer in answers if answer.status_code == 429]
+    for answer in refused:
+        error = answer.json()["error"]
+        assert (error["code"], error["type"]) == ("insufficient_quota", "insufficient_quota")
+        assert "tokens_per_day" in error["message"]
+        assert 0 < int(answer.headers["retry-after"]) <= 24 * 3600
+    # Every token the engine computed for an answer it gave is counted once.
+    computed = sum(a.json()["usage"]["total_tokens"] for a in answers if a.status_code == 200)
+    budget = budget_of(tenancy, "racer")
+    assert (budget["budget"], budget["limit"]) == ("tokens_per_day", BUDGET)
+    assert budget["spent"] == computed
+    reservation = prompt_bound(BODY) + MAX_TOKENS
+    print(
+        f"budget race: spent {budget['spent']} of {BUDGET}; "
+        f"{len(refused)} of {RACERS} refused; one reservation {reservation}"
+    )
+    assert budget["spent"] <= BUDGET
+    assert budget["remaining"] == max(BUDGET - budget["spent"], 0)
