@@ -34,6 +34,7 @@ from gateway.dispatch.models import Models
 from gateway.dispatch.pool import Pool
 from gateway.endpoints import render
 from gateway.state import State
+from gateway.tenants import budgets
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,10 @@ def create_api(settings: GatewaySettings, keys: auth.KeyRing | None = None) -> S
         # (gateway.state); it connects in the background and /ready waits for it.
         store = State(settings.store)
         store.start()
+        # A key's budget with no count yet this period starts at its usage.
+        limits.spending.spent_so_far = budgets.from_usage(
+            store, lambda model: models.price(models.resolve(model, {}, ()))
+        )
         # The runner sends its lines below the key check, as their owner's key.
         batches = batch.start(
             settings.batch,

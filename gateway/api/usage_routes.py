@@ -85,7 +85,7 @@ async def usage(request: Request) -> Response:
         keys = [entry for entry in services.keys.entries() if shown in (None, entry.name)]
     budgets = []
     for entry in keys:
-        for standing in await services.limits.standing(entry):
+        for standing in await services.limits.spending.standing(entry):
             budgets.append(
                 {"object": "budget", "key": entry.name, "key_id": entry.id, **standing.as_dict()}
             )

@@ -19,16 +19,19 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
-from typing import Any
+from datetime import UTC, date, datetime
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Gauge
 
 from gateway import errors
 from shared.api_keys import Budget, KeyEntry
 from shared.config import Price
+
+if TYPE_CHECKING:
+    from gateway.state import State
 
 REMAINING = Gauge(
     "llmgate_key_budget_remaining",
@@ -130,6 +133,11 @@ class Refusal:
     ends_at: float
 
 
+# What a key spent so far in each period ("day", "month"): a budget's count
+# starts there when it has none (a new process, a Redis that lost its data).
+Seeds = dict[str, Cost]
+
+
 @dataclass(frozen=True, slots=True)
 class Taken:
     """A reservation made: the period ids it was made in, and each budget's
@@ -200,6 +208,35 @@ def over_budget(entry: KeyEntry, refusal: Refusal, now: float) -> errors.OverBud
     )
 
 
+SpentSoFar = Callable[[KeyEntry, dict[str, Period]], Awaitable[Seeds]]
+
+
+def from_usage(store: State, price_of: Callable[[str], Price | None]) -> SpentSoFar:
+    """What a key spent so far this day and month, by the usage table
+    (``gateway.state.usage``: every process's, written every few seconds), at
+    ``price_of(model)`` for dollars. Tokens answered from the response cache
+    cost no budget; what the table has not been given yet is not counted."""
+
+    async def spent(entry: KeyEntry, now_periods: dict[str, Period]) -> Seeds:
+        day = now_periods["day"].id
+        first = date.fromisoformat(now_periods["month"].id + "-01")
+        rows = await store.call(store.usage.rows, entry.id, None, first, date.fromisoformat(day))
+        seeds = {"day": Cost(0, 0), "month": Cost(0, 0)}
+        for row in rows:
+            prompt, completion = int(row["prompt_tokens"]), int(row["completion_tokens"])
+            worked = 1 - int(row["cached_tokens"]) / max(prompt + completion, 1)
+            full = cost(prompt, completion, price_of(str(row["model"])))
+            row_cost = Cost(round(full.tokens * worked), round(full.micro_usd * worked))
+            for name in ("day", "month") if row["day"] == day else ("month",):
+                seeds[name] = Cost(
+                    seeds[name].tokens + row_cost.tokens,
+                    seeds[name].micro_usd + row_cost.micro_usd,
+                )
+        return seeds
+
+    return spent
+
+
 def counter(key_id: str, limit: Limit, period_id: str) -> str:
     """A budget's counter in Redis (one hash slot per key, as the rate windows)."""
     return f"llmgate:budget:v1:{{{key_id}}}:{limit.unit}:{period_id}"
@@ -212,6 +249,21 @@ class MemoryBudgets:
         self.clock = clock
         # (key id, unit, period id) -> tokens or micro-dollars
         self._spent: dict[tuple[str, str, str], int] = {}
+
+    def missing(self, entry: KeyEntry, now_periods: dict[str, Period]) -> bool:
+        """Whether a budget of the key has no count yet this period (:meth:`seed` it)."""
+        assert entry.budget is not None
+        return any(
+            (entry.id, limit.unit, now_periods[limit.period].id) not in self._spent
+            for limit in limits_of(entry.budget)
+        )
+
+    def seed(self, entry: KeyEntry, now_periods: dict[str, Period], spent: Seeds) -> None:
+        """Start the counts of the key's budgets not counted yet at ``spent``."""
+        assert entry.budget is not None
+        for limit in limits_of(entry.budget):
+            slot = (entry.id, limit.unit, now_periods[limit.period].id)
+            self._spent.setdefault(slot, limit.of(spent[limit.period]))
 
     def reserve(self, entry: KeyEntry, want: Cost) -> Refusal | Taken:
         """Take ``want`` from every budget of ``entry``, or none and say which refuses."""
@@ -257,21 +309,30 @@ class MemoryBudgets:
         self._spent = {slot: n for slot, n in self._spent.items() if slot[2] in kept}
 
 
-# KEYS: one counter per budget. ARGV: for each, its limit then the amount
-# wanted; then the seconds the counters are kept. Returns {0, spend after,
-# ...} when taken, else {the 1-based index of the budget that refuses, its spend}.
+# KEYS: one counter per budget. ARGV: for each, its limit, the amount
+# wanted and what to start it at if it is not there (-1: not known yet);
+# then the seconds the counters are kept. Returns {0, spend after, ...} when
+# taken, {-1} when a counter is not there and its start is not known, else
+# {the 1-based index of the budget that refuses, its spend}.
 RESERVE = """
 local n = #KEYS
+local keep = tonumber(ARGV[3 * n + 1])
+for i = 1, n do
+  if redis.call('EXISTS', KEYS[i]) == 0 then
+    local start = tonumber(ARGV[3 * i])
+    if start < 0 then return {-1} end
+    redis.call('SET', KEYS[i], start, 'EX', keep, 'NX')
+  end
+end
 for i = 1, n do
   local spent = tonumber(redis.call('GET', KEYS[i]) or '0')
-  if spent + tonumber(ARGV[2 * i]) > tonumber(ARGV[2 * i - 1]) then
+  if spent + tonumber(ARGV[3 * i - 1]) > tonumber(ARGV[3 * i - 2]) then
     return {i, spent}
   end
 end
-local keep = tonumber(ARGV[2 * n + 1])
 local out = {0}
 for i = 1, n do
-  out[i + 1] = redis.call('INCRBY', KEYS[i], ARGV[2 * i])
+  out[i + 1] = redis.call('INCRBY', KEYS[i], ARGV[3 * i - 1])
   redis.call('EXPIRE', KEYS[i], keep)
 end
 return out
@@ -302,16 +363,23 @@ class RedisBudgets:
         self._reserve = client.register_script(RESERVE)
         self._add = client.register_script(ADD)
 
-    async def reserve(self, entry: KeyEntry, want: Cost) -> Refusal | Taken:
+    async def reserve(
+        self, entry: KeyEntry, want: Cost, now: float, start: Seeds | None = None
+    ) -> Refusal | Taken | None:
+        """Take ``want`` from every budget of ``entry``, or none and say which
+        refuses; None when a budget has no count yet this period and ``start``
+        (what the key spent so far in each period) is not given."""
         assert entry.budget is not None
-        now = self.clock()
         now_periods = periods(now)
         limits = limits_of(entry.budget)
         keys = [counter(entry.id, lim, now_periods[lim.period].id) for lim in limits]
         args: list[int] = []
         for limit in limits:
-            args += [limit.amount, limit.of(want)]
+            begin = limit.of(start[limit.period]) if start is not None else -1
+            args += [limit.amount, limit.of(want), begin]
         refused, *spent = await self._reserve(keys, [*args, _keep(now_periods, now)])
+        if int(refused) < 0:
+            return None
         if int(refused):
             limit = limits[int(refused) - 1]
             ends_at = now_periods[limit.period].ends_at

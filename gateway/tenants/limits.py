@@ -31,7 +31,8 @@ from gateway.dispatch.models import Target
 from gateway.tenants import budgets
 from gateway.tenants.costs import choices_of, prompt_bound, reserved
 from gateway.tenants.redis_limits import LEASE_SECONDS, TIMEOUT, RedisLimits
-from gateway.tenants.refusals import rate_headers, refusal
+from gateway.tenants.refusals import REFUSED, rate_headers, refusal
+from gateway.tenants.spending import Spending
 from gateway.tenants.windows import MemoryLimits
 from shared import protocol
 from shared.api_keys import KeyEntry
@@ -53,12 +54,6 @@ STORE_ERRORS = Counter(
     "Limits store (Redis) operations that failed, by operation: the request was "
     "limited by this process's own counts instead.",
     ["operation"],
-)
-REFUSED = Counter(
-    "llmgate_limits_refused",
-    "Requests refused with 429 by their API key's limits, by key name and limit "
-    "(requests, tokens, concurrent, too_large).",
-    ["key", "limit"],
 )
 
 
@@ -108,7 +103,7 @@ class Grant:
         hold = self.hold
         if hold is not None and tokens is not None:
             prompt, completion = self.usage if ran else (0, 0)
-            self.limiter.settle_budget(
+            self.limiter.spending.settle(
                 hold, budgets.cost(prompt, completion, hold.price) - hold.reserved
             )
 
@@ -125,18 +120,12 @@ class Limiter:
     ) -> None:
         self.memory = MemoryLimits(clock)
         self.redis = RedisLimits(url, timeout=timeout) if url else None
-        # Budgets go by the calendar (UTC days and months): the wall clock.
-        self.budgets = budgets.MemoryBudgets(wall_clock)
-        self.redis_budgets = (
-            budgets.RedisBudgets(self.redis.client, wall_clock) if self.redis else None
-        )
-        self.wall_clock = wall_clock
         # What a failed Redis call raises (redis is imported only when used).
-        self._failures: tuple[type[BaseException], ...] = (OSError,)
+        self.failures: tuple[type[BaseException], ...] = (OSError,)
         if url:
             from redis.exceptions import RedisError
 
-            self._failures = (RedisError, OSError)
+            self.failures = (RedisError, OSError)
         self.clock = clock
         self._retry_at = 0.0  # while Redis is down: when to try it again
         self._down = False
@@ -147,6 +136,8 @@ class Limiter:
         self._orphans: dict[str, tuple[KeyEntry, float]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._renewer: asyncio.Task[None] | None = None
+        # The keys' budgets: where the limits are (Redis or this process).
+        self.spending = Spending(self, self.redis.client if self.redis else None, wall_clock)
 
     async def start(self) -> None:
         if self.redis is not None:
@@ -180,13 +171,13 @@ class Limiter:
         hold = None
         if entry.budget is not None:
             most = (bound or cost)()
-            hold = await self._reserve_budget(entry, budgets.cost(*most, price), price)
+            hold = await self.spending.reserve(entry, budgets.cost(*most, price), price)
         try:
             tokens = sum(cost()) if entry.tokens_per_minute else 0
             await self._admit(context, entry, tokens, hold)
         except BaseException:
             if hold is not None:  # refused by a rate limit, or the client left
-                self.settle_budget(hold, budgets.Cost(0, 0) - hold.reserved)
+                self.spending.settle(hold, budgets.Cost(0, 0) - hold.reserved)
             raise
 
     async def _admit(
@@ -194,13 +185,13 @@ class Limiter:
     ) -> None:
         lease = f"{self._process}:{next(self._leases)}"
         decision = None
-        if self._uses_redis():
+        if self.uses_redis():
             assert self.redis is not None
             try:
                 decision = await self.redis.admit(entry, tokens, lease)
-                self._redis_answered()
-            except self._failures as exc:
-                self._redis_failed("admit", exc)
+                self.redis_answered()
+            except self.failures as exc:
+                self.redis_failed("admit", exc)
                 self._orphaned(entry, lease)
             except asyncio.CancelledError:
                 self._orphaned(entry, lease)  # the client left while Redis answered
@@ -228,7 +219,7 @@ class Limiter:
         self._held.pop(grant.lease, None)
         # In the background: the response is over, and a Redis that is slow
         # must not hold the request's task (its lease lapses if this fails).
-        self._spawn(self._finish_shared(grant, delta, refund_request))
+        self.spawn(self._finish_shared(grant, delta, refund_request))
 
     async def _finish_shared(self, grant: Grant, delta: int, refund_request: bool) -> None:
         assert self.redis is not None
@@ -237,61 +228,10 @@ class Limiter:
             await self.redis.settle(grant.entry, delta)
             if refund_request:
                 await self.redis.refund_request(grant.entry)
-        except self._failures as exc:
-            self._redis_failed("finish", exc)
+        except self.failures as exc:
+            self.redis_failed("finish", exc)
 
-    async def _reserve_budget(
-        self, entry: KeyEntry, want: budgets.Cost, price: Price | None
-    ) -> budgets.Hold:
-        """Take ``want`` from the key's budgets, or raise ``errors.OverBudget``."""
-        taken = None
-        if self._uses_redis():
-            assert self.redis_budgets is not None
-            try:
-                taken = await self.redis_budgets.reserve(entry, want)
-                self._redis_answered()
-            except self._failures as exc:
-                self._redis_failed("budget", exc)
-        shared = taken is not None
-        if taken is None:
-            taken = self.budgets.reserve(entry, want)
-        if isinstance(taken, budgets.Refusal):
-            REFUSED.labels(entry.name, "budget").inc()
-            raise budgets.over_budget(entry, taken, self.wall_clock())
-        budgets.show(entry, taken.spent)
-        return budgets.Hold(entry, taken.period_ids, want, price, shared)
-
-    def settle_budget(self, hold: budgets.Hold, delta: budgets.Cost) -> None:
-        """Move the reservation ``hold`` by ``delta``, where it was made."""
-        if not (delta.tokens or delta.micro_usd):
-            return
-        if not hold.shared:
-            budgets.show(hold.entry, self.budgets.add(hold.entry, hold.period_ids, delta))
-            return
-        self._spawn(self._settle_shared_budget(hold, delta))
-
-    async def _settle_shared_budget(self, hold: budgets.Hold, delta: budgets.Cost) -> None:
-        assert self.redis_budgets is not None
-        try:
-            spent = await self.redis_budgets.add(hold.entry, hold.period_ids, delta)
-        except self._failures as exc:
-            self._redis_failed("budget", exc)
-            return
-        budgets.show(hold.entry, spent)
-
-    async def standing(self, entry: KeyEntry) -> list[budgets.Standing]:
-        """Each of the key's budgets now, from where they are counted."""
-        if entry.budget is None:
-            return []
-        if self._uses_redis():
-            assert self.redis_budgets is not None
-            try:
-                return await self.redis_budgets.standing(entry)
-            except self._failures as exc:
-                self._redis_failed("budget", exc)
-        return self.budgets.standing(entry)
-
-    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+    def spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -312,7 +252,7 @@ class Limiter:
                 continue
             try:
                 await self.redis.release(entry, lease)
-            except self._failures:
+            except self.failures:
                 return  # still away: tried again at the next renewal
             del self._orphans[lease]
 
@@ -329,15 +269,15 @@ class Limiter:
                 continue
             try:
                 await self.redis.renew(held)
-            except self._failures as exc:
-                self._redis_failed("renew", exc)
+            except self.failures as exc:
+                self.redis_failed("renew", exc)
 
     # -- Redis's health ------------------------------------------------------
 
-    def _uses_redis(self) -> bool:
+    def uses_redis(self) -> bool:
         return self.redis is not None and (not self._down or self.clock() >= self._retry_at)
 
-    def _redis_failed(self, operation: str, exc: BaseException) -> None:
+    def redis_failed(self, operation: str, exc: BaseException) -> None:
         STORE_ERRORS.labels(operation).inc()
         self._retry_at = self.clock() + RETRY_SECONDS
         if not self._down:
@@ -349,7 +289,7 @@ class Limiter:
                 exc,
             )
 
-    def _redis_answered(self) -> None:
+    def redis_answered(self) -> None:
         if self._down:
             self._down = False
             log.warning("limits: Redis answers again: limits are shared again")

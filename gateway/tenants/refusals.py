@@ -6,9 +6,18 @@ from __future__ import annotations
 
 import math
 
+from prometheus_client import Counter
+
 from gateway import errors
 from gateway.tenants.windows import CONCURRENT, TOO_LARGE, Decision
 from shared.api_keys import KeyEntry
+
+REFUSED = Counter(
+    "llmgate_limits_refused",
+    "Requests refused with 429 by their API key's limits, by key name and limit "
+    "(requests, tokens, concurrent, too_large, budget).",
+    ["key", "limit"],
+)
 
 _LABELS = {"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)"}
 

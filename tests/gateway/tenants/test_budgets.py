@@ -10,6 +10,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -75,7 +76,7 @@ async def take(
 
 async def spent(limiter: Limiter, entry: KeyEntry) -> dict[str, float]:
     await limiter.drain()
-    return {s.limit.field: s.as_dict()["spent"] for s in await limiter.standing(entry)}
+    return {s.limit.field: s.as_dict()["spent"] for s in await limiter.spending.standing(entry)}
 
 
 def finish(context: RequestContext, prompt: int, completion: int, status: int = 200) -> None:
@@ -262,3 +263,65 @@ def test_a_budgets_prompt_bound_is_never_below_the_tokens() -> None:
     assert prompt_bound({"prompt": [[1, 2, 3]]}) == 3
     chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "yo"}]}
     assert prompt_bound(chat) == 4 + TEMPLATE_TOKENS + 2 * MESSAGE_TOKENS
+
+
+async def test_a_budget_with_no_count_yet_starts_at_what_the_key_spent(
+    limiter: Limiter, calendar: Calendar
+) -> None:
+    """A gateway that just started, or a Redis that lost its data, must not
+    give a key its month again: the count starts at the key's usage so far."""
+    entry = key(tokens_per_day=1000, tokens_per_month=1000)
+    asked: list[dict[str, str]] = []
+
+    async def spent_so_far(entry: KeyEntry, periods: dict[str, budgets.Period]) -> budgets.Seeds:
+        asked.append({name: period.id for name, period in periods.items()})
+        return {"day": budgets.Cost(60, 0), "month": budgets.Cost(950, 0)}
+
+    limiter.spending.spent_so_far = spent_so_far
+    finish(await take(limiter, entry, 10, 10), 10, 10)
+    assert await spent(limiter, entry) == {"tokens_per_day": 80, "tokens_per_month": 970}
+    with pytest.raises(errors.OverBudget, match="tokens_per_month"):
+        await take(limiter, entry, 20, 20)
+    assert asked == [{"day": "2026-12-31", "month": "2026-12"}]  # once a period
+    if limiter.redis is not None:  # Redis restarted without its data: asked again
+        import redis.asyncio
+
+        client = redis.asyncio.Redis.from_url(limiter.redis.url)
+        for name in await client.keys(f"llmgate:budget:v1:{{{entry.id}}}:*"):
+            await client.delete(name)
+        await client.aclose()
+        with pytest.raises(
+            errors.OverBudget, match="tokens_per_month: Limit 1,000 tokens, Used 950"
+        ):
+            await take(limiter, entry, 30, 30)
+        assert len(asked) == 2
+
+
+async def test_what_a_key_spent_so_far_is_read_from_the_usage_table(tmp_path: Path) -> None:
+    from gateway.state import State
+    from gateway.state.usage import Counts
+    from shared.settings import StoreSettings
+
+    store = State(StoreSettings(state_dir=str(tmp_path)))
+    await asyncio.wait_for(store.connect(), PATIENT)
+    try:
+        rows = {
+            ("key_a", "m", "2026-12-31"): Counts(2, 1000, 500, 0),
+            ("key_a", "m", "2026-12-01"): Counts(1, 100, 100, 0),
+            # A response-cache hit's tokens cost the budget nothing.
+            ("key_a", "cached", "2026-12-31"): Counts(1, 10, 10, 20),
+            ("key_a", "m", "2026-11-30"): Counts(1, 999, 999, 0),
+            ("key_b", "m", "2026-12-31"): Counts(1, 999, 999, 0),
+        }
+        store.usage.add("flush-1", rows)
+        prices = {"m": Price(input=1.0, output=2.0)}
+        spent_so_far = budgets.from_usage(store, prices.get)
+        entry = KeyEntry(name="a", key_sha256="0" * 64, id="key_a")
+        now = datetime(2026, 12, 31, 12, tzinfo=UTC).timestamp()
+        seeds = await spent_so_far(entry, budgets.periods(now))
+        assert seeds == {
+            "day": budgets.Cost(1500, 2000),
+            "month": budgets.Cost(1700, 2300),
+        }
+    finally:
+        store.db.close()
