@@ -1,6 +1,7 @@
 """The gateway's errors, and their one mapping onto OpenAI's error JSON.
 
-Every error a client can see is a :class:`GatewayError`:
+Every error a client can see is a :class:`GatewayError`, its body OpenAI's
+``{"error": {"message", "type", "param", "code"}}``:
 
     GatewayError                     (500 api_error)
     ├── BadRequest                   (400 invalid_request_error)
@@ -9,23 +10,17 @@ Every error a client can see is a :class:`GatewayError`:
     ├── Forbidden                    (403 invalid_request_error, code model_not_allowed)
     │   └── AdminOnly                (403 invalid_request_error, no code: /metrics)
     ├── NotFound                     (404 invalid_request_error: no such route)
-    │   └── ModelNotFound            (404 invalid_request_error, code model_not_found)
+    │   └── ModelNotFound            (404, code model_not_found: never declared nor served)
     ├── Overloaded                   (429 rate_limit_exceeded, Retry-After)
     │   └── RateLimited              (429, code rate_limit_exceeded: a key's limit)
     │       └── OverBudget           (429, code insufficient_quota: a key's budget)
     ├── NoWorker                     (503 service_unavailable, Retry-After)
-    │   ├── ModelNotReady            (503 service_unavailable, code model_not_ready)
-    │   └── StateUnavailable         (503 service_unavailable, code state_store_unavailable)
+    │   ├── ModelNotReady            (503, code model_not_ready: declared or served, none now)
+    │   └── StateUnavailable         (503, code state_store_unavailable)
     ├── UpstreamFailed               (502 api_error: a worker died or broke mid-request)
     └── Timeout                      (504 timeout)
 
-A model the config declares (or a worker has served) that no worker serves
-now is a :class:`ModelNotReady` (its pool is starting, or its workers are
-down), never a 404: only a name nobody declared is a :class:`ModelNotFound`.
-
-A ``Failed`` message from a worker becomes the subclass for its status via
-:func:`from_status`. The body is OpenAI's:
-``{"error": {"message", "type", "param", "code"}}``.
+A worker's ``Failed`` message becomes the class for its status (:func:`from_status`).
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
 """What ``llmgate serve`` starts: one worker per GPU (or N CPU workers), then a gateway.
 
-* GPUs: one worker per visible GPU, each with its own ``CUDA_VISIBLE_DEVICES``.
-* No GPU: ``--num-workers`` CPU workers (1 by default: measured best on 2
-  cores). With one, vLLM binds its threads to every usable core; with
-  several, the cores are split evenly and each worker is pinned to its own
-  slice (``VLLM_CPU_OMP_THREADS_BIND``). Either way no core is held back for
-  vLLM's front end (``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` unless the
-  environment sets it), and the layout is logged at start.
-* With ``--config FILE`` (``shared.config``) the workers come from the
-  file's pools instead: each pool's workers get its model, served name,
-  engine flags (after the command line's, so the pool's win) and devices
-  (GPU ids, or the CPU cores each worker is pinned to), and the gateway
-  reads the same file.
-
-The gateway's settings are flags of ``llmgate serve`` too (``--policy``,
-``--api-keys-file``, ...): given, they go to the gateway only, but for those
-a worker has too (``--heartbeat-interval``, ``--drain-timeout``), which go to
-both, as their ``LLMGATE_*`` variables do. ``--workers`` is not one of them:
-the gateway's workers are the ones serve starts. Flags the launcher does not
-know are passed to every worker: they are vLLM engine flags (``--model``,
-``--dtype``, ``--max-model-len``, ...). Secrets (``settings.SECRET_SETTINGS``:
-API keys, the stores' URLs) go in the child's environment as ``LLMGATE_*``
-variables, never on its command line.
+:func:`plan_children` turns serve's command line into :class:`serve.children.Child`
+specs (argv, environment, port); ``serve.supervisor`` starts and restarts them.
+Workers are one per visible GPU (its own ``CUDA_VISIBLE_DEVICES``), else
+``--num-workers`` CPU workers on their own cores, or the pools of ``--config``
+(``shared.config``), which the gateway reads too. Flags serve does not know are
+vLLM engine flags, for every worker; the gateway's settings go to the gateway,
+and those a worker has too to both (``GATEWAY_FLAGS``, ``SHARED_FLAGS``).
+Secrets (``settings.SECRET_SETTINGS``) go in a child's environment, never on
+its command line, which any user of the machine can read.
 """
 
 from __future__ import annotations
@@ -101,6 +88,8 @@ def plan_workers(serve: settings.ServeSettings, engine_args: list[str]) -> list[
             children.append(_worker_child(i, serve, engine_args, env))
         return children
     cores = sorted(os.sched_getaffinity(0))
+    # One worker: vLLM binds its threads to every usable core. Several: the
+    # cores are split evenly, each worker pinned to its own slice.
     slices = cpu_slices(serve.num_workers, cores) if serve.num_workers > 1 else [""]
     for i, cpu_slice in enumerate(slices):
         children.append(
@@ -199,6 +188,7 @@ def plan_pool_workers(
                 env = dict(os.environ, CUDA_VISIBLE_DEVICES=devices)
             else:
                 env = cpu_worker_env(dict(os.environ), devices, serve.cpu_preload)
+            # The pool's engine flags after the command line's: the pool's win.
             args = [*engine_args, "--served-model-name", pool.model_name, *pool.engine_args]
             if pool.model:
                 args += ["--model", pool.model]

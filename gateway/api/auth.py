@@ -1,29 +1,15 @@
 """API keys: ``Authorization: Bearer KEY`` on every route but the probes, and who the key is.
 
-A pure ASGI middleware rather than a FastAPI dependency: it runs before
-routing and before a byte of the body is read, covers every route (those of
-future routers and unknown paths too), and costs one SHA-256 and a few
-constant-time compares per request. With no keys configured it is not
-installed at all.
-
-The presented key is hashed before comparing, so every comparison is of two
-32-byte digests: neither a key's length nor which key matched shows in the
-timing. Keys are never logged and never echoed in a response. The matching
-key's entry (``shared.api_keys.KeyEntry``: its id, name, limits, models,
-priority) goes in the request's context (``gateway.context``) for the code
-that enforces them. ``/metrics`` (every key's usage is in it) takes admin
-keys only: 403 for any other key.
-
-What a request makes (files, batches, stored responses, usage) is owned by
-its key's ``id``, never its name (``RequestContext.owner``, ``.viewer``): a
-name revoked and added again with a new secret is another key and owns
-nothing of the old one's. Names are what usage and metrics show.
-
-``--api-keys-file`` is looked at again every ``RELOAD_SECONDS`` (one
-``stat``); when it changed it is re-read, so a key added or revoked takes
-effect within seconds in every process and replica that mounts the file,
-with no restart. A file that no longer loads keeps the keys it had, and
-says why in the log.
+:class:`ApiKeyMiddleware` is pure ASGI, not a FastAPI dependency, so it runs
+before routing and before a byte of the body is read, and covers every path,
+unknown ones too; it is installed only when keys are configured. A key that
+matches puts its entry (``shared.api_keys.KeyEntry``) in the request's context
+(``gateway.context``): enforcing its limits, models and priority is
+``gateway.tenants``'s and the routes' job. Admin paths (``/metrics``) are a 403
+for any other key. What a request makes is owned by its key's id, never its
+name (``RequestContext.owner``). Keys are never logged or echoed.
+:class:`KeyRing` re-reads ``--api-keys-file`` when it changes; a file that no
+longer loads keeps the keys it had.
 """
 
 from __future__ import annotations
@@ -47,6 +33,8 @@ from shared.settings import TenantSettings
 
 log = logging.getLogger(__name__)
 
+# How often --api-keys-file is looked at (one stat): a key added or revoked
+# counts within that long in every process and replica that mounts the file.
 RELOAD_SECONDS = 1.0
 
 _MISSING = errors.Unauthorized(
@@ -134,6 +122,8 @@ class KeyRing:
         return next((entry for _, entry in self._entries if entry.id == key_id), None)
 
     def match(self, token: bytes) -> KeyEntry | None:
+        # Hashed first, so every comparison is of two 32-byte digests: neither
+        # a key's length nor which key matched shows in the timing.
         presented = _digest(token)
         found = None
         for digest, entry in self._entries:  # no early exit: the same time for every key

@@ -1,32 +1,13 @@
 """``GET /v1/usage``: what each API key used, per model and UTC day (``gateway.state.usage``).
 
-Filters, all optional, in the query string: ``key`` (a key's name),
-``model``, and ``start_date`` / ``end_date`` (``YYYY-MM-DD``, UTC days, both
-included). A key sees its own usage only, its id's (``key`` may name no
-other than its own name), so a name revoked and added again with a new
-secret starts from nothing; an ``admin`` key, or any caller when no keys
-are configured, sees every key's. A filter that is malformed, repeated or
-unknown is a 400. Rows show the key's name (``key``) and its id
-(``key_id``: two keys that had one name are two rows). The answer::
-
-    {"object": "list",
-     "data": [{"object": "usage", "key": "team-a", "key_id": "key_9f86d081884c7d65",
-               "model": "m", "date": "2025-06-01",
-               "requests": 3, "prompt_tokens": 30, "completion_tokens": 12,
-               "cached_tokens": 0, "total_tokens": 42}, ...],
-     "total": {"requests": 3, "prompt_tokens": 30, "completion_tokens": 12,
-               "cached_tokens": 0, "total_tokens": 42},
-     "budgets": [{"object": "budget", "key": "team-a", "key_id": "key_9f86d081884c7d65",
-                  "budget": "usd_per_month", "period": "2025-06", "limit": 50.0,
-                  "spent": 1.25, "remaining": 48.75, "resets_at": 1751328000}, ...]}
-
-``budgets`` are the budgets of the keys shown (``gateway.tenants.budgets``), for
-the current day and month, whatever the date filters, as the limits store
-counts them now (spend reserved by requests under way included).
-
-Rows come by date, key and model. Each gateway process flushes its counts
-every few seconds (``gateway.state.ledger``), so a request shows here
-within that long.
+The answer is the usage rows the caller may see, filtered by the query string
+(``key``, ``model``, ``start_date``, ``end_date``: a filter that is malformed,
+repeated or unknown is a 400), their ``total``, and the ``budgets`` of the keys
+shown (``gateway.tenants.budgets``) as the limits store counts them now. A key
+sees its own id's rows only; an admin key, or any caller when no keys are
+configured, sees every key's. Counting is not done here: a request shows once
+its process has flushed its counts (``gateway.state.ledger``). The shapes and
+filters users rely on are in docs/tenants.md (Usage, Budgets).
 """
 
 from __future__ import annotations

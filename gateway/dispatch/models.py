@@ -1,23 +1,14 @@
 """Model names: which pools a request's ``model`` may run on, in tier order.
 
-A request names a served model, an alias of one, or the ``auto`` name
-(``shared.config``). :meth:`Models.resolve` turns that into a
-:class:`Target`: the served model and the pools that may run it, first the
-pools that serve it (by tier), then those the config declares as its
-substitutes. Admission (``gateway.dispatch.admission``) starts the request on the
-first tier with a free slot it may use; the later tiers only take it by
-spill-over. Without a config file every name is its own target, served by
-whichever workers say they serve it.
-
-A target the config declares (:attr:`Target.declared`: a served model, an
-alias, ``auto``'s choice) that no worker serves yet is a 503 with
-``Retry-After`` (its pool is starting, or down), not a 404: only a name
-nobody declared, and no worker has ever served, is (``gateway.dispatch.admission``).
-
-``auto`` evaluates the config's rules in order, first match wins: prompt
-length in tokens, ``max_tokens``, ``response_format``/``tools`` present,
-request headers; no match takes the default (and, for a non-streaming
-request with a cascade configured, may escalate: ``gateway.dispatch.cascade``).
+:meth:`Models.resolve` turns a served model name, an alias or the ``auto`` name
+(``shared.config``) into a :class:`Target`: the served model and the pools that
+may run it, first those that serve it (by tier), then its declared substitutes.
+``auto`` takes the first of the config's rules that matches, else its default,
+which may carry a cascade (``gateway.dispatch.cascade``). Without a config every
+name is its own target, served by whichever workers say they serve it. Which
+tier runs the request, and the answer when no worker serves its target now (a 503
+for a name the config declares, :attr:`Target.declared`, or a worker once served;
+else a 404), are ``gateway.dispatch.admission``'s.
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """The workers as this gateway process sees them: what their heartbeats say, and whether they live.
 
-A worker is *healthy* while its heartbeats keep coming. It stops being so
-when it sends nothing at all (heartbeats or output) for
-``--heartbeat-timeout`` (hung, partitioned, or only starved of CPU for a
-while) or at once when its TCP connection drops (a crashed one). Silence is
-judged only after reading what waits on the link, and not on a tick that
-came late (the gateway itself was paused or starved). Its heartbeat says
-which models it serves, how many requests it takes at once and how many
-other gateways give it, and its incarnation: a new incarnation means the
-process restarted and whatever we had in flight there is gone.
-
-What the workers do is told to one :class:`WorkerEvents` object (the pool):
-output for its requests, a worker up, a worker lost. A lost worker's
-requests are failed through :meth:`WorkerEvents.worker_lost` (the API retries
-those that sent nothing to the client yet), with one exception: a worker
-that is only silent may be *stalled*, not gone, so what a retry cannot help
-waits for it up to ``--stall-timeout`` (its connection dropping or a restart
-ends the wait at once): streams already under way, which cannot move, and
-requests no other worker could take. A worker heard from again in time is
-healthy again and those requests carry on, every token delivered, since the
-link lost none.
+A worker is healthy while it is heard from. It is lost at once when its TCP
+connection drops, or after ``--heartbeat-timeout`` of silence (heartbeats or
+output). A heartbeat says which models it serves, its capacity, the other
+gateways' load on it and its incarnation: a new one means it restarted and lost
+what we had in flight. What happens is told to one :class:`WorkerEvents` (the
+pool), which fails a lost worker's requests for the API to retry. A silent
+worker may only be stalled, so what a retry cannot help (streams under way,
+requests no other worker could take) waits up to ``--stall-timeout`` and
+carries on, every token delivered, if it is heard from again.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """The gateway's shared state: uploaded files, batch jobs and their lines, stored responses,
 usage per key.
 
-One database for all of it (``gateway.state.db``): SQLite in ``--state-dir``
-by default, shared by the gateway processes of one host, or PostgreSQL
-(``--state-db``) shared by every replica, so any replica serves any request.
-``State.connect()`` waits for the database at start and migrates it; the
-gateway is not ready (``/ready``) before its first try has ended, nor, with a
-``--state-db``, while the store has never answered.
-An outage later answers 503 on the routes that need state only
-(``errors.StateUnavailable``); a batch line's result is committed or the line
-runs again, never lost. ``State.reap()`` deletes expired files and responses.
-Usage is added up in memory and flushed every few seconds (``ledger``).
-
-Files, batches and stored responses have an ``owner``: the id of the API
-key that made them (``KeyEntry.id``, never its name: a name revoked and
-added again is another key; NULL with no keys configured), as usage rows
-have their key's id. Their methods that read take ``viewer``: a key id sees
-only its own rows (a cursor or id of another's is an unknown one); None
-sees every row (an admin key, or no keys configured).
+One database for all of it (``gateway.state.db``): SQLite in ``--state-dir``,
+shared by one host's gateway processes, or PostgreSQL (``--state-db``), shared by
+every replica, so any replica serves any request. :class:`State` connects and
+migrates in the background (``/ready`` waits for its first try), answers 503
+(``errors.StateUnavailable``) from :meth:`State.call` while the store is down,
+deletes what expired (:meth:`State.reap`) and flushes the usage counted in memory
+(``ledger``). Rows have an ``owner``: the id of the API key that made them
+(``KeyEntry.id``, never its name; NULL with no keys). Methods that read take a
+``viewer``: a key id sees its own rows only, None sees every row.
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """The state store's tables, and the ordered migrations that make them.
 
 One schema for both backends (SQLAlchemy Core renders it for SQLite and
-PostgreSQL). ``seq`` columns give each table a creation order to page by
-(SQLite's rowid, PostgreSQL's identity column). A file's bytes live in the
-database too, in ``file_chunks`` rows of up to ``CHUNK_BYTES``: one thing to
-back up and restore, written in the same transaction as the file's row, and
-testable here with no object store.
-
-A migration is a function of a connection, applied once, in order, inside
-the transaction that records it in ``schema_migrations`` (``gateway.state.db``
-holds a lock across that transaction so replicas starting at once apply each
-migration exactly once). Append new ones; never edit one that has shipped.
-The tables below are the schema as it is now; a migration that creates
-tables creates them as they were then (``_V1``, ``_V2``), so it does the same
-on an empty database today as it did when it shipped.
-
-Owners (``owner``, ``usage.key``) are API key ids (``KeyEntry.id``) since
-migration 3; before, they were key names, and migration 3 leaves those rows
-as they are: a key given ``id: <its old name>`` in the keys file owns them
-still; otherwise only an admin key sees them.
+PostgreSQL). A file's bytes are rows too (``file_chunks``), written in the
+transaction of the file's row: one thing to back up and restore, and no object
+store to test against. :data:`MIGRATIONS` are applied once each, in order,
+inside the transaction that records them in ``schema_migrations``; applying them
+is ``gateway.state.db``'s. Append new ones; never edit one that has shipped. The
+tables below are the schema as it is now; a migration creates its tables as they
+were then (``_V1``, ``_V2``), so on an empty database it does today what it did
+when it shipped.
 """
 
 from __future__ import annotations
@@ -41,9 +31,11 @@ from sqlalchemy import (
 
 metadata = MetaData()
 
-# An auto-numbered creation order: BIGINT on PostgreSQL, SQLite's rowid alias.
+# An auto-numbered creation order, for pages to follow (``seq`` columns):
+# BIGINT on PostgreSQL, SQLite's rowid alias.
 Seq = BigInteger().with_variant(Integer(), "sqlite")
 
+# A file's bytes go in ``file_chunks`` rows of at most this many.
 CHUNK_BYTES = 1024 * 1024
 
 migrations_table = Table(
@@ -187,6 +179,9 @@ def _v2_usage_and_owners(connection: Connection) -> None:
 
 
 # -- migration 3: owners are key ids; usage rows keep the key's name to show ----------
+
+# Rows from before keep their owner, a key name: a key given ``id: <its old
+# name>`` in the keys file owns them still; otherwise only an admin key sees them.
 
 # The key's name when its usage was last added (what /v1/usage and people
 # read); NULL in rows from before, whose ``key`` is the name itself.

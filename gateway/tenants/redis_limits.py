@@ -1,24 +1,13 @@
 """The limits store every gateway process and replica shares: Redis (``--limits redis://...``).
 
-Each decision is one Lua script (redis-py's ``register_script``: EVALSHA,
-loaded again if Redis restarted), so checking a key's three limits and
-taking them is atomic: two gateways never both take the last unit. The
-scripts read Redis's own clock (``TIME``), so replicas with skewed clocks
-still agree. The arithmetic is ``gateway.tenants.windows.gcra``'s, in
-milliseconds.
-
-Keys, per API key name, in one hash slot (``{name}``) so a cluster could
-hold them::
-
-    llmgate:limits:v1:{NAME}:rpm   the requests window's TAT (ms), expires when full
-    llmgate:limits:v1:{NAME}:tpm   the tokens window's TAT (ms), expires when full
-    llmgate:limits:v1:{NAME}:conc  sorted set: a lease per running request, scored
-                                   by when it lapses
-
-A lease lapses ``LEASE_SECONDS`` after it was taken or last renewed: the
-gateway renews its running requests' leases every third of that, so a
-gateway that is killed (no release, no renewal) holds its key's slots for
-``LEASE_SECONDS`` at most.
+:class:`RedisLimits` runs ``gateway.tenants.windows.gcra``'s arithmetic (in
+milliseconds) as Lua scripts, one per decision, so checking a key's three
+limits and taking them is atomic: two gateways never both take the last unit.
+The scripts read Redis's clock (``TIME``), so replicas with skewed clocks still
+agree. A running request holds a lease that lapses ``LEASE_SECONDS`` after it
+was taken or last renewed, so a killed gateway's slots come back by themselves.
+Renewing leases, and counting in memory while Redis is down, is
+``gateway.tenants.limits``'s job.
 """
 
 from __future__ import annotations
@@ -34,9 +23,16 @@ from gateway.tenants.windows import (
 )
 from shared.api_keys import KeyEntry
 
+# The keys, per API key id, in one hash slot ({ID}) so a cluster could hold them:
+#   llmgate:limits:v1:{ID}:rpm   the requests window's TAT (ms), expires when full
+#   llmgate:limits:v1:{ID}:tpm   the tokens window's TAT (ms), expires when full
+#   llmgate:limits:v1:{ID}:conc  sorted set: a lease per running request, scored
+#                                by when it lapses
 PREFIX = "llmgate:limits:v1:"
 # Seconds; Redis on the same network answers in well under a millisecond.
 TIMEOUT = 0.5
+# A gateway renews its running requests' leases every third of this
+# (gateway.tenants.limits), so a killed one holds its keys' slots this long at most.
 LEASE_SECONDS = 30.0
 
 _REFUSED = {0: "", 1: REQUESTS, 2: TOKENS, 3: CONCURRENT, 4: TOO_LARGE}

@@ -1,26 +1,13 @@
 """A key's rate windows, and the per-process store that keeps them in memory.
 
-Requests and tokens per minute are each a GCRA (generic cell rate
-algorithm: a token bucket written as one timestamp). A key with a limit of
-``L`` a minute earns one unit every ``60 / L`` seconds and may hold up to
-``L`` of them, so a quiet key may spend its whole minute at once, and a
-busy one gets a unit back as each one's minute runs out. The bucket's state
-is its *theoretical arrival time* (TAT): the moment it is full again. A
-request of cost ``c`` fits when ``max(TAT, now) + c * 60 / L`` is at most a
-minute ahead; it then moves the TAT there. Why not a fixed window keyed by
-the minute: that lets a client spend twice its limit across a minute's
-boundary and then makes it wait up to a minute, where GCRA never admits more
-than ``L`` in any 60 s and says exactly when the next unit frees (the
-``Retry-After``). Why not a sliding log: it keeps one entry per request or
-token; GCRA keeps one number per key, and settling a token reservation to
-the real count is moving that number back or forth.
-
-Concurrency is a count of the key's requests under way, taken on admit and
-given back when the request ends.
-
-:class:`MemoryLimits` is the store of one process (the default, and the
-fallback while Redis is down); ``gateway.tenants.redis_limits`` runs the
-same arithmetic in Lua, atomically, for every process and replica at once.
+Requests and tokens per minute are each a GCRA bucket (:func:`gcra`): a key may
+spend its whole minute at once, never gets more than its limit in any 60 s,
+and is told exactly when the next unit frees (the ``Retry-After``).
+Concurrency is a count of the key's requests under way. :class:`MemoryLimits`
+is the store of one process (the default, and the fallback while Redis is
+down); ``gateway.tenants.redis_limits`` runs the same arithmetic for every
+process and replica at once. When to take, settle and give back is
+``gateway.tenants.limits``'s.
 """
 
 from __future__ import annotations
@@ -70,6 +57,15 @@ class Window:
     reset: float
 
 
+# GCRA (generic cell rate algorithm): a token bucket written as one timestamp.
+# A key with a limit of L a minute earns one unit every 60 / L seconds and may
+# hold up to L of them. The bucket's state is its theoretical arrival time
+# (TAT): the moment it is full again. A request of cost c fits when
+# max(TAT, now) + c * 60 / L is at most a minute ahead; it then moves the TAT
+# there. Not a fixed window keyed by the minute: that lets a client spend twice
+# its limit across a minute's boundary and then makes it wait up to a minute.
+# Not a sliding log: that keeps one entry per request or token, where GCRA keeps
+# one number per key, and settling a token reservation is moving it.
 def gcra(tat: float, now: float, cost: int, limit: int) -> Window:
     """The step of a ``limit``-a-minute bucket at ``tat`` for ``cost`` units at ``now``.
 

@@ -2,28 +2,13 @@
 
 Requests with the same key (a session key, else the conversation's start:
 ``gateway.api.openai_routes``) go to the worker the key was placed on, so vLLM's
-prefix cache there holds what came before, as long as that worker's load
-stays within ``load_factor`` times the mean (consistent hashing with
-bounded loads, Mirrokni et al. 2018) or within ``slack`` requests of the
-mean, whichever allows more; past both, or when that worker is gone, the
-key is placed again.
-
-The slack is for small loads, where a ratio alone is a hair trigger: with
-two workers and two requests on the home worker, 1.25 times the mean
-(1.5) moves the third away, and the worker it moves to recomputes the
-whole history, which on a CPU engine costs seconds, while a request that
-joins a running batch on its home costs that batch a little time per step
-(measured with ``make bench ARGS="--scenario multiturn --arrival-rate ..."``:
-docs/benchmarks.md). SGLang's gateway keeps cache affinity the same way
-until loads differ by an absolute and a relative threshold together.
-
-A new key is placed on the least loaded worker, ties broken by rendezvous
-hashing of (key, worker), so an idle pool places a key the same way in
-every gateway replica, and a few long conversations do not pile onto one
-worker as pure hashing would (measured on multi-turn chat with the
-``multiturn`` bench scenario: docs/benchmarks.md). Placements are kept per
-gateway process in a bounded LRU map (``REMEMBERED_KEYS``); a key forgotten
-is placed again like a new one.
+prefix cache there holds what came before. The key moves only when that worker
+is gone or past :meth:`PrefixAffinity.bound`: ``load_factor`` times the mean
+load (consistent hashing with bounded loads, Mirrokni et al. 2018) or ``slack``
+requests over it, whichever allows more. A key is placed on the least loaded
+worker, ties broken by rendezvous hashing (:func:`score`), so every gateway
+replica places it alike. Placements are this process's alone, in a bounded LRU
+map; a request with no key is ``least_load``'s.
 """
 
 from __future__ import annotations
@@ -39,7 +24,8 @@ from gateway.dispatch.policies.least_load import LeastLoad
 if TYPE_CHECKING:
     from gateway.dispatch.workers import Worker
 
-# About 100 bytes each: a few MiB at most.
+# Placements kept per process (an LRU map); a key forgotten is placed again
+# like a new one. About 100 bytes each: a few MiB at most.
 REMEMBERED_KEYS = 65_536
 
 
@@ -67,6 +53,13 @@ class PrefixAffinity:
 
     def bound(self, context: RoutingContext) -> int:
         """Most requests one worker may hold, counting the one being placed."""
+        # The slack is for small loads, where a ratio alone is a hair trigger:
+        # with two workers and two requests on the home worker, 1.25 times the
+        # mean (1.5) would move the third away, and the worker it moves to
+        # recomputes the whole history, where joining the running batch at home
+        # costs that batch a little time per step (docs/benchmarks.md, the
+        # multiturn scenario). SGLang's gateway keeps cache affinity the same
+        # way, until loads differ by an absolute and a relative threshold.
         total = sum(load(w) for w in context.candidates) + 1
         workers = len(context.candidates)
         over_mean = -(-total // workers) + self.slack  # ceil(mean) + slack, in integers
@@ -84,6 +77,9 @@ class PrefixAffinity:
                     self._placed.move_to_end(key)
                     return worker
         # New, forgotten, or its worker is gone or past the bound: place it.
+        # Least loaded first, so a few long conversations do not pile onto one
+        # worker as pure hashing would; rendezvous hashing of (key, worker)
+        # breaks ties, so an idle pool places a key alike in every replica.
         chosen = min(context.candidates, key=lambda w: (load(w), -score(key, w.key)))
         self._placed[key] = chosen.key
         self._placed.move_to_end(key)
