@@ -18,9 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shared.api_keys import ANONYMOUS, KeyEntry
+from shared.protocol import BANDS, BATCH, INTERACTIVE
 
 # The scope's entry for the request's context.
 SCOPE_KEY = "llmgate"
+# The header a request asks for a lower band with (``gateway.api.bands``).
+BAND_HEADER = b"x-llmgate-band"
 
 
 class Grant(Protocol):
@@ -47,6 +50,10 @@ class RequestContext:
     # the ``x-ratelimit-*`` headers its answer carries.
     grant: Grant | None = None
     rate_headers: dict[str, str] = field(default_factory=dict)
+    # The ``x-llmgate-band`` header as sent, and the band it asked for (a place
+    # in ``protocol.BANDS``; it runs in its key's band if that is lower).
+    band_header: str | None = None
+    asked_band: int = INTERACTIVE
 
     @property
     def key_id(self) -> str:
@@ -71,10 +78,18 @@ class RequestContext:
         return self.key.id if self.key is not None and not self.key.admin else None
 
     @property
+    def band(self) -> int:
+        """Its priority band (a place in ``protocol.BANDS``): its key's, or the
+        lower one it asked for; a batch line's is ``batch``."""
+        if self.batch:
+            return BATCH
+        key_band = BANDS.index(self.key.band) if self.key is not None else INTERACTIVE
+        return max(key_band, self.asked_band)
+
+    @property
     def low_priority(self) -> bool:
-        """Only slots no interactive request waits for, and the engine's batch
-        priority: a batch line, or a key of ``priority: batch``."""
-        return self.batch or (self.key is not None and self.key.priority == "batch")
+        """Only slots no other request waits for: the ``batch`` band."""
+        return self.band == BATCH
 
 
 def context_of(scope: Any) -> RequestContext:

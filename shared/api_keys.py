@@ -27,7 +27,9 @@ import msgspec
 import yaml
 from msgspec.structs import force_setattr
 
-PRIORITIES = ("interactive", "batch")
+# A key's band (``protocol.BANDS``); ``priority:`` is its former name.
+BANDS = ("interactive", "standard", "batch")
+Band = Literal["interactive", "standard", "batch"]
 KEY_PREFIX = "sk-llmgate-"
 # The name usage and metrics give requests when no keys are configured
 # (reserved: no key may be named so).
@@ -56,7 +58,8 @@ class KeyEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     max_concurrent: int = 0
     # None: every model; else the served names and aliases it may use.
     models: tuple[str, ...] | None = None
-    priority: Literal["interactive", "batch"] = "interactive"
+    # Its requests' priority band: a request may ask for a lower one.
+    band: Band = "interactive"
     admin: bool = False
     # Spend over a day and a month (gateway.tenants.budgets); None: no budget.
     budget: Budget | None = None
@@ -86,7 +89,8 @@ class _FileEntry(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tokens_per_minute: int = 0
     max_concurrent: int = 0
     models: list[str] | None = None
-    priority: Literal["interactive", "batch"] = "interactive"
+    band: Band | None = None
+    priority: Band | None = None  # the former name of ``band``
     admin: bool = False
     budget: Budget | None = None
 
@@ -165,6 +169,8 @@ def _parse_yaml(loaded: dict[str, Any], source: str) -> list[KeyEntry]:
         for field in ("requests_per_minute", "tokens_per_minute", "max_concurrent"):
             if getattr(item, field) < 0:
                 raise ValueError(f"{where}: `{field}` must be 0 (no limit) or more")
+        if item.band and item.priority and item.band != item.priority:
+            raise ValueError(f"{where}: `band` and `priority` (its former name) differ")
         budget = item.budget
         for field in BUDGET_FIELDS if budget is not None else ():
             value = getattr(budget, field)
@@ -180,7 +186,7 @@ def _parse_yaml(loaded: dict[str, Any], source: str) -> list[KeyEntry]:
                 tokens_per_minute=item.tokens_per_minute,
                 max_concurrent=item.max_concurrent,
                 models=tuple(item.models) if item.models is not None else None,
-                priority=item.priority,
+                band=item.band or item.priority or "interactive",
                 admin=item.admin,
                 budget=budget,
                 id=item.id,
@@ -290,7 +296,7 @@ def describe(path: Path) -> list[str]:
             if budget is not None and getattr(budget, field)
         ]
         models = ",".join(entry.models) if entry.models is not None else "all models"
-        extra = [entry.priority, *(["admin"] if entry.admin else [])]
+        extra = [entry.band, *(["admin"] if entry.admin else [])]
         rows.append(
             f"{entry.name}\t{', '.join(limits) or 'no limits'}\t{models}\t{' '.join(extra)}"
             f"\tid {entry.id}"
@@ -307,7 +313,13 @@ def add_commands(commands: Any) -> None:
     add_cmd.add_argument("--tokens-per-minute", type=int, default=0)
     add_cmd.add_argument("--max-concurrent", type=int, default=0)
     add_cmd.add_argument("--models", default="", help="comma-separated served names or aliases")
-    add_cmd.add_argument("--priority", choices=PRIORITIES, default="interactive")
+    add_cmd.add_argument(
+        "--band",
+        "--priority",
+        choices=BANDS,
+        default="interactive",
+        help="its requests' priority band (a request may ask for a lower one)",
+    )
     add_cmd.add_argument("--admin", action="store_true", help="sees every key's usage and state")
     for field in BUDGET_FIELDS:
         kind = float if field.startswith("usd") else int
@@ -336,7 +348,7 @@ def run(args: argparse.Namespace) -> bool:
                 tokens_per_minute=args.tokens_per_minute,
                 max_concurrent=args.max_concurrent,
                 models=models or None,
-                priority=None if args.priority == "interactive" else args.priority,
+                band=None if args.band == "interactive" else args.band,
                 admin=args.admin,
                 budget={f: getattr(args, f) for f in BUDGET_FIELDS if getattr(args, f)} or None,
             )

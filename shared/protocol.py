@@ -52,14 +52,18 @@ class Generate(_Message, tag="gen"):
     # The gateway's trace context (W3C ``traceparent``/``tracestate``) when
     # tracing is on: vLLM's own spans for the request join that trace.
     trace: dict[str, str] | None = None
-    # vLLM's request priority (a larger number is scheduled later): 0 for
-    # interactive requests, ``BATCH_PRIORITY`` for batch lines. Workers apply it
-    # only under ``--scheduling-policy priority`` (``llmgate serve`` sets it).
+    # vLLM's request priority (a larger number is scheduled later): the
+    # request's band's place in ``BANDS``. Workers apply it only under
+    # ``--scheduling-policy priority`` (their default).
     priority: int = 0
 
 
-# The priority of a batch job's lines (``gateway.batch``): after every interactive request.
-BATCH_PRIORITY = 1
+# Priority bands, first first: a request's band is its API key's, or a lower
+# one it asks for; a batch job's lines are ``batch``.
+BANDS = ("interactive", "standard", "batch")
+INTERACTIVE, STANDARD, BATCH = range(len(BANDS))
+# The priority of a batch job's lines (``gateway.batch``): after every other request.
+BATCH_PRIORITY = BATCH
 
 
 class Abort(_Message, tag="abort"):

@@ -288,7 +288,7 @@ class TenantSettings(Settings):
         str,
         _help(
             "file of API keys: one per line (`#` starts a comment), or YAML with names, "
-            "limits, models, priority and admin per key (docs: tenants); re-read when it "
+            "limits, budgets, models, band and admin per key (docs: tenants); re-read when it "
             "changes; adds to --api-keys"
         ),
     ] = ""

@@ -128,7 +128,7 @@ class Engine:
         log.info(
             "scheduling policy %s: %s",
             self.scheduling_policy,
-            "batch lines run after interactive requests"
+            "requests run by band: interactive, then standard, then batch"
             if self.priority_scheduling
             else "request priorities ignored",
         )

@@ -102,6 +102,21 @@ def serve_namespace(namespace: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**merged)
 
 
+def with_priority(body: Any, priority: int) -> Any:
+    """``body`` to run at ``priority`` (the engine's, from the gateway's band):
+    its own ``priority`` field may ask to run later (a larger number), never
+    sooner, or a tenant of a low band would jump the engine's queue. A field
+    that is no integer is left for vLLM to refuse."""
+    if not isinstance(body, dict):
+        return body
+    asked = body.get("priority")
+    if asked is None:
+        return {**body, "priority": priority} if priority else body
+    if type(asked) is int and asked < priority:
+        return {**body, "priority": priority}
+    return body
+
+
 class VllmApp:
     """vLLM's FastAPI app, its state built over ``llm`` as ``vllm serve`` builds it."""
 
@@ -140,9 +155,7 @@ class VllmApp:
         path = str(params.get("path") or "")
         if not allowed(method, path):
             raise RequestError(404, f"{method} {path} is not a route of this worker.")
-        body = params.get("body")
-        if isinstance(body, dict) and priority and "priority" not in body:
-            body = {**body, "priority": priority}
+        body = with_priority(params.get("body"), priority)
         content = b"" if body is None else json.dumps(body).encode()
         exchange = _Exchange(content)
         scope = _scope(method, path, content, request_id)

@@ -94,9 +94,8 @@ class Attempts:
     span: RequestSpan
     max_retries: int
     recorded: list[protocol.Delta] | None = None
-    # A batch job's line (gateway.batch.runner) or a batch key's request:
-    # after interactive requests.
-    low_priority: bool = False
+    # Its priority band (``protocol.BANDS``): its key's, or lower.
+    band: int = 0
     # The API key's id: admission shares slots fairly between keys.
     tenant: str | None = None
     # The latest attempt's handle: what the engine computed for it.
@@ -163,7 +162,7 @@ class Attempts:
                 self.deadline,
                 self.key,
                 span.headers(),
-                self.low_priority,
+                self.band,
                 self.tenant,
             )
             queued = (lambda: span.event("queued")) if span.on else None

@@ -1,27 +1,15 @@
 """One API request from admission to its last byte, whatever API it came in by.
 
-:class:`Call` resolves the request's model to its pools (``pool.resolve``),
-answers it from the response cache when it may (``gateway.api.cached``),
-else runs it on a worker (``gateway.api.attempts``: admission, routing and
-retries through the pool) and turns the worker's deltas into a response
-through a builder (``sse`` for OpenAI's shapes, ``tgi`` for TGI's): whole,
-after ``gateway.dispatch.cascade`` kept or escalated a cascaded answer, or streamed
-(``gateway.api.streaming``). Who answered goes out in the response's
-headers (``gateway.api.headers``); the request is counted once, by its
-final status (``gateway.api.accounting``).
-
-A streaming response starts only once the worker has produced its first
-delta, so errors the engine finds up front (a prompt longer than the
-context, a bad parameter) still get a proper status code, and a request
-whose worker is lost before any output is retried on another worker
-(``--max-retries``) whether it streams or not. Once output has gone out, a
-lost worker ends the stream with an error event.
-
-A client that goes away aborts its request on the worker: until the
-response starts (queued, waiting for its worker or its first token) the
-request watches for the ASGI ``http.disconnect`` message
-(``gateway.api.http.DisconnectWatch``); a stream that has started sees it
-as cancellation or closing of its body (``EventStream``).
+:class:`Call` resolves the request's model to its pools (``pool.resolve``), takes
+its key's limits (``gateway.tenants``), answers from the response cache when it
+may (``gateway.api.cached``), else runs it on a worker (``gateway.api.attempts``:
+admission, routing, retries) and turns the deltas into a response through a
+builder (``sse``, ``tgi``): whole, after ``gateway.dispatch.cascade`` kept or
+escalated a cascaded answer, or streamed (``gateway.api.streaming``). A stream
+starts only at its first delta, so an error found up front keeps its status code
+and a lost worker is retried until output has gone out. Who answered goes in the
+headers (``gateway.api.headers``); the request is counted once, by its final
+status (``gateway.api.accounting``).
 """
 
 from __future__ import annotations
@@ -38,13 +26,14 @@ from fastapi.responses import Response
 from gateway import errors, tracing
 from gateway.api.accounting import Accounting
 from gateway.api.attempts import Attempts
+from gateway.api.bands import asked_band
 from gateway.api.cached import cache_step
 from gateway.api.headers import STREAM_HEADERS, answer_headers
 from gateway.api.http import DisconnectWatch, EventStream, deadline, header
 from gateway.api.request_ids import request_id_of
 from gateway.api.services import services_of
 from gateway.api.streaming import relay
-from gateway.context import context_of
+from gateway.context import BAND_HEADER, context_of
 from gateway.dialects import schemas, sse
 from gateway.dialects.jsonresp import JSONAnswer
 from gateway.dispatch import cascade
@@ -56,6 +45,8 @@ from shared import protocol
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = b"x-session-id"
+# The band an answer ran in, when not the first.
+BAND_NAME = BAND_HEADER.decode()
 
 
 @dataclass
@@ -109,6 +100,8 @@ class Call:
         )
         # The request's attempts on workers, once it has any.
         self.attempts: Attempts | None = None
+        # Its priority band (protocol.BANDS): its key's, until its ask is checked.
+        self.band = self.context.band
 
     async def serve(self, key_of: Callable[[int], str]) -> Response:
         key = None
@@ -125,6 +118,11 @@ class Call:
                     f"The API key {entry.name!r} may not use the model `{self.body.model}`.",
                     "model",
                 )
+            # A lower band than its key's, if it asks for one (gateway.api.bands).
+            asked = asked_band(self.context.band_header, self.raw)
+            if asked:
+                self.context.asked_band = asked
+                self.band = self.context.band
             self.target = self.pool.resolve(
                 self.body.model, self.raw, self.request.scope["headers"]
             )
@@ -182,7 +180,7 @@ class Call:
             max_retries=self.settings.routing.max_retries,
             # The worker's output as it comes, while the answer may be cached.
             recorded=self.cached.recorded if self.cached is not None else None,
-            low_priority=self.context.low_priority,
+            band=self.band,
             tenant=self.context.owner,
         )
 
@@ -207,6 +205,9 @@ class Call:
 
     async def _start_stream(self, attempts: Attempts, target: Target) -> Response:
         assert self.wire is not None
+        # Nothing goes out before the first delta: an error the engine finds up
+        # front (a prompt longer than the context, a bad parameter) still gets
+        # its status code, and a worker lost before any output is retried.
         handle, first = await attempts.start(target, self.wire)
         headers = self._headers(handle.answered_by)
 
@@ -215,6 +216,8 @@ class Call:
                 choices = len(self.builder.choices)
                 await self.cached.store(usage, choices, handle.answered_by, headers)
 
+        # From here a client that leaves is the cancellation or closing of this
+        # body (EventStream), which aborts the request on its worker.
         body = relay(handle, first, self.builder, self.account, attempts.recorded, store)
         return EventStream(
             body,
@@ -223,13 +226,17 @@ class Call:
         )
 
     def _headers(self, answered_by: Answerer) -> dict[str, str]:
-        """Who answered: the worker, its served model and pool, the auto rule."""
-        return answer_headers(
+        """Who answered: the worker, its served model and pool, the auto rule;
+        the band it ran in, when not the first."""
+        headers = answer_headers(
             answered_by,
             rule=self.target.rule if self.target is not None else "",
             cascade=self.cascade_outcome,
             cache=self.cached.result if self.cached is not None else "",
         )
+        if self.band:
+            headers[BAND_NAME] = protocol.BANDS[self.band]
+        return headers
 
     def _release_stream(self, handle: RequestHandle) -> None:
         """The response is over and its generator never ran to its finally

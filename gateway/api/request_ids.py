@@ -23,7 +23,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import errors
-from gateway.context import context_of
+from gateway.context import BAND_HEADER, context_of
 from gateway.endpoints import DIRECT_PATHS, render
 
 HEADER = b"x-request-id"
@@ -49,19 +49,24 @@ def request_id_of(scope: Scope) -> str:
 
 
 def assign(scope: Scope) -> tuple[str, errors.BadRequest | None]:
-    """Give the request its id: the client's if valid, else a new one (and the 400 to send)."""
+    """Give the request its id: the client's if valid, else a new one (and the
+    400 to send). The same pass notes the band the request asks for
+    (``gateway.api.bands`` checks it): one walk of the headers, not two."""
     rid = None
     bad = None
+    context = context_of(scope)
     for key, value in scope["headers"]:
         if key == HEADER:
-            try:
-                rid = check(value)
-            except errors.BadRequest as exc:
-                bad = exc
-            break
+            if rid is None and bad is None:
+                try:
+                    rid = check(value)
+                except errors.BadRequest as exc:
+                    bad = exc
+        elif key == BAND_HEADER:
+            context.band_header = value.decode("latin-1")
     if rid is None:
         rid = new_request_id()
-    context_of(scope).request_id = rid
+    context.request_id = rid
     return rid, bad
 
 

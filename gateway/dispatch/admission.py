@@ -5,11 +5,12 @@ process's requests in flight than its capacity), the routing policy choosing
 among them; else it spills to a later tier (``gateway.dispatch.models``),
 waits in a bounded queue, or is refused: 429 past the queue's bounds, 503
 with ``Retry-After`` when no healthy worker serves its model. A freed slot
-goes to the waiter whose key received the least service lately
-(``gateway.dispatch.fair_share``). Low-priority requests (batch lines,
-``gateway.batch``) take only slots no queued interactive request needs and
-wait apart, so a batch never makes an interactive request a 429. Queues are
-per process, and a running request is never preempted.
+goes to the highest band (``protocol.BANDS``) with a waiter, and within it
+to the waiter whose key received the least service lately
+(``gateway.dispatch.fair_share``). The ``batch`` band (batch lines, batch
+keys) takes only slots no other queued request needs and waits apart, so a
+batch never makes another request a 429. Queues are per process, and a
+running request is never preempted.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from gateway.dispatch.policies import Policy, RoutingContext
 from gateway.dispatch.slots import Slots
 from gateway.dispatch.work import WorkOrder
 from gateway.dispatch.workers import Worker, Workers
+from shared.protocol import BANDS, BATCH
 from shared.settings import AdmissionSettings
 
 log = logging.getLogger(__name__)
@@ -40,20 +42,19 @@ class _PoolQueue:
     __slots__ = (
         "depth_gauge",
         "in_flight_gauge",
-        "low_waiters",
+        "lines",
         "mean_seconds",
         "queued",
         "tier",
-        "waiters",
     )
 
     def __init__(self, tier: Tier, share: FairShare) -> None:
         label = tier.label
         self.tier = tier
-        # One future per waiting request, by key (gateway.dispatch.fair_share).
-        self.waiters = FairQueue(share)
-        # Low-priority requests waiting, woken only when no interactive one is.
-        self.low_waiters = FairQueue(share)
+        # One line per band (``protocol.BANDS``), each a future per waiting
+        # request by key (gateway.dispatch.fair_share); a line is woken only
+        # when no line before it has a request that can use the slot.
+        self.lines = tuple(FairQueue(share) for _ in BANDS)
         # Requests whose home this pool is, waiting.
         self.queued = 0
         self.mean_seconds = 0.0
@@ -61,11 +62,14 @@ class _PoolQueue:
         self.in_flight_gauge = metrics.child(metrics.POOL_IN_FLIGHT, label)
 
     def wake_one(self, usable: Callable[[Collection[str]], bool]) -> bool:
-        return self.waiters.wake_one(usable) or self.low_waiters.wake_one(usable)
+        # Written out, not a loop: it runs at the end of every request.
+        interactive, standard, batch = self.lines
+        return interactive.wake_one(usable) or standard.wake_one(usable) or batch.wake_one(usable)
 
     def waiting(self) -> bool:
         """Whether any request may be waiting here (False: none is)."""
-        return bool(self.waiters) or bool(self.low_waiters)
+        interactive, standard, batch = self.lines
+        return bool(interactive) or bool(standard) or bool(batch)
 
 
 class Admission:
@@ -119,7 +123,7 @@ class Admission:
         tenant: Tenant,
     ) -> tuple[Worker, Tier]:
         target, key, deadline = order.pools, order.key, order.deadline
-        low_priority = order.low_priority
+        low_priority = order.band == BATCH
         # No healthy worker at all: wait up to --startup-timeout for one, then 503.
         if not self.workers.any_healthy and not await self.workers.wait_for_any():
             metrics.REJECTED.labels("no_worker").inc()
@@ -166,18 +170,19 @@ class Admission:
             raise errors.Overloaded(
                 "Too many requests are waiting; try again shortly.", retry_after=1
             )
-        return await self._wait(tiers, key, deadline, exclude, on_queued, tenant)
+        return await self._wait(order, tiers, exclude, on_queued, tenant)
 
     async def _wait(
         self,
+        order: WorkOrder,
         tiers: list[Tier],
-        key: str | None,
-        deadline: float,
         exclude: Collection[str],
         on_queued: Callable[[], object] | None,
         tenant: Tenant,
     ) -> tuple[Worker, Tier]:
-        """Queue for the home pool (and, after ``spill_after``, the later tiers)."""
+        """Queue in the order's band's line for the home pool (and, after
+        ``spill_after``, the later tiers')."""
+        key, deadline, band = order.key, order.deadline, order.band
         wait = self.settings.queue_timeout
         if deadline:
             wait = min(wait, deadline - time.time())
@@ -196,7 +201,7 @@ class Admission:
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
         ticket = self.fair.ticket()
-        home_queue.waiters.append(waiter, tenant, ticket, exclude)
+        home_queue.lines[band].append(waiter, tenant, ticket, exclude)
         chosen = None
         spilling = False
         try:
@@ -214,10 +219,11 @@ class Admission:
                     # wake-up): wait again, at the front of its key's line.
                     self.fair.refund(tenant)
                     waiter = loop.create_future()
-                    home_queue.waiters.appendleft(waiter, tenant, ticket, exclude)
+                    home_queue.lines[band].appendleft(waiter, tenant, ticket, exclude)
                     if spilling:
                         for tier in tiers[1:]:
-                            self.pool(tier).waiters.appendleft(waiter, tenant, ticket, exclude)
+                            line = self.pool(tier).lines[band]
+                            line.appendleft(waiter, tenant, ticket, exclude)
                 if not spilling and spill_at is not None and now >= spill_at:
                     # Waited long enough: a later tier's slot will do too.
                     spilling = True
@@ -225,7 +231,7 @@ class Admission:
                     if chosen is not None:
                         return chosen
                     for tier in tiers[1:]:
-                        self.pool(tier).waiters.append(waiter, tenant, ticket, exclude)
+                        self.pool(tier).lines[band].append(waiter, tenant, ticket, exclude)
                 remaining = give_up - now
                 if remaining <= 0:
                     metrics.REJECTED.labels("queue_timeout").inc()
@@ -262,7 +268,7 @@ class Admission:
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
         ticket = self.fair.ticket()
-        queue.low_waiters.append(waiter, tenant, ticket, exclude)
+        queue.lines[BATCH].append(waiter, tenant, ticket, exclude)
         chosen = None
         try:
             while True:
@@ -272,7 +278,7 @@ class Admission:
                         return chosen
                     self.fair.refund(tenant)
                     waiter = loop.create_future()
-                    queue.low_waiters.appendleft(waiter, tenant, ticket, exclude)
+                    queue.lines[BATCH].appendleft(waiter, tenant, ticket, exclude)
                 remaining = deadline - time.time() if deadline else None
                 if remaining is not None and remaining <= 0:
                     metrics.REJECTED.labels("queue_timeout").inc()

@@ -185,7 +185,7 @@ class Pool:
         """
         worker, tier = await self.admission.acquire(order, exclude, on_queued)
         request_id = order.request_id
-        low_priority, tenant = order.low_priority, order.tenant
+        low_priority, tenant = order.band == protocol.BATCH, order.tenant
         if request_id in self.pending or request_id in self._released:
             request_id = f"{request_id}~{next(self._suffixes)}"
         message = protocol.Generate(
@@ -195,7 +195,7 @@ class Pool:
             params=order.params,
             deadline=order.deadline,
             trace=order.trace,
-            priority=protocol.BATCH_PRIORITY if low_priority else 0,
+            priority=order.band,
         )
         try:
             # Leaves at the end of this loop turn; if the connection turns out

@@ -36,11 +36,16 @@ class WorkOrder(msgspec.Struct, frozen=True):
     key: str | None = None
     # The request's trace context (W3C headers), for the worker.
     trace: dict[str, str] | None = None
-    # A batch line or a batch key's request: after every interactive request,
-    # here and in the engine.
-    low_priority: bool = False
+    # Its priority band (a place in ``protocol.BANDS``): a higher band goes
+    # first, here and in the engine; ``batch`` takes only spare slots.
+    band: int = protocol.INTERACTIVE
     # The API key's id: admission shares slots between keys and charges this one.
     tenant: str | None = None
+
+    @property
+    def low_priority(self) -> bool:
+        """The batch band: only slots no other request waits for."""
+        return self.band == protocol.BATCH
 
     @property
     def pools(self) -> Target:

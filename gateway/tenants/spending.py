@@ -9,8 +9,8 @@ starts at what the key spent so far, by the usage table (``spent_so_far``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 from gateway import errors
 from gateway.tenants.budgets import (
@@ -30,14 +30,26 @@ from gateway.tenants.refusals import REFUSED
 from shared.api_keys import KeyEntry
 from shared.config import Price
 
-if TYPE_CHECKING:
-    from gateway.tenants.limits import Limiter
+
+class RedisHealth(Protocol):
+    """Whether the limits' Redis answers, and what to tell it (the Limiter)."""
+
+    failures: tuple[type[BaseException], ...]
+
+    def uses_redis(self) -> bool: ...
+
+    def redis_answered(self) -> None: ...
+
+    def redis_failed(self, operation: str, exc: BaseException) -> None: ...
+
+    def spawn(self, coroutine: Coroutine[Any, Any, None]) -> None: ...
+
 
 log = logging.getLogger(__name__)
 
 
 class Spending:
-    def __init__(self, limiter: Limiter, client: Any, clock: Callable[[], float]) -> None:
+    def __init__(self, limiter: RedisHealth, client: Any, clock: Callable[[], float]) -> None:
         self.limiter = limiter  # whether Redis answers, and the tasks to wait for
         # Budgets go by the calendar (UTC days and months): the wall clock.
         self.clock = clock

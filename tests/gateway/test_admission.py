@@ -182,3 +182,32 @@ async def test_a_freed_slot_a_queued_retry_may_not_use_goes_to_the_next_in_line(
     assert await asyncio.wait_for(behind, 5) is a
     assert not retry.done() and gate.queued == 1
     retry.cancel()
+
+
+async def test_a_freed_slot_goes_to_the_highest_band_waiting(workers: Workers) -> None:
+    """Whatever order they came in: interactive, then standard, then batch."""
+    gate = admission(workers)
+    a = add(workers, "a", capacity=1)
+    await take(gate)
+    served: list[str] = []
+
+    async def wait_in(band: int) -> None:
+        order = WorkOrder(protocol.BANDS[band], "completion", M, {}, band=band)
+        chosen, _ = await gate.acquire(order)
+        chosen.in_flight += 1
+        served.append(order.request_id)
+
+    tasks = []
+    for band in (protocol.BATCH, protocol.STANDARD, protocol.INTERACTIVE):
+        tasks.append(asyncio.create_task(wait_in(band)))
+        for _ in range(100):  # until it waits in its line (no other task runs)
+            await asyncio.sleep(0)
+    assert gate.queued == 2 and not served  # the batch line waits apart
+    for expected in ("interactive", "standard", "batch"):
+        leave(gate, a)
+        for _ in range(100):
+            if len(served) == protocol.BANDS.index(expected) + 1:
+                break
+            await asyncio.sleep(0)
+        assert served[-1] == expected
+    await asyncio.gather(*tasks)

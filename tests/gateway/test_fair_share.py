@@ -25,7 +25,7 @@ from gateway.dispatch.fair_share import DEFAULT_ESTIMATE, FairShare, Tenant
 from gateway.dispatch.pool import Pool
 from gateway.dispatch.work import WorkOrder
 from gateway.dispatch.workers import Worker, Workers
-from shared import routes
+from shared import protocol, routes
 from shared.api_keys import KeyEntry
 from shared.settings import GatewaySettings, LinkSettings, RoutingSettings
 from tests.gateway.api.test_attempts import answer, sent_to
@@ -61,7 +61,9 @@ class OneSlot:
         self.sent: collections.Counter[Tenant] = collections.Counter()
 
     async def _one(self, tenant: Tenant, label: str, low: bool) -> None:
-        order = WorkOrder(label, "completion", M, {}, low_priority=low, tenant=tenant)
+        order = WorkOrder(
+            label, "completion", M, {}, band=protocol.BATCH if low else 0, tenant=tenant
+        )
         worker, _ = await self.gate.acquire(order)
         worker.in_flight += 1
         self.served.append(label)
@@ -260,14 +262,14 @@ async def test_a_request_goes_to_admission_as_its_key_and_a_batch_key_at_low_pri
     pool = Pool()
     try:
         interactive = KeyEntry(name="team-a", key_sha256="0" * 64)
-        batch = KeyEntry(name="nightly", key_sha256="1" * 64, priority="batch")
+        batch = KeyEntry(name="nightly", key_sha256="1" * 64, band="batch")
         first = _call(pool, interactive)._attempts(None)
         # Shared fairly by the key's id: a name added again is another key.
-        assert (first.tenant, first.low_priority) == (interactive.id, False)
+        assert (first.tenant, first.band) == (interactive.id, protocol.INTERACTIVE)
         second = _call(pool, batch)._attempts(None)
-        assert (second.tenant, second.low_priority) == (batch.id, True)
+        assert (second.tenant, second.band) == (batch.id, protocol.BATCH)
         keyless = _call(pool, None)._attempts(None)
-        assert (keyless.tenant, keyless.low_priority) == (None, False)
+        assert (keyless.tenant, keyless.band) == (None, protocol.INTERACTIVE)
     finally:
         pool.workers.ctx.term()
 

@@ -345,7 +345,7 @@ def test_a_precompute_batch_makes_the_same_requests_cache_hits(
 
 def test_the_session_workers_run_the_priority_scheduling_policy(served: Served) -> None:
     """Workers default to --scheduling-policy priority, and vLLM took it."""
-    served.wait_for_log("scheduling policy priority: batch lines run after interactive")
+    served.wait_for_log("scheduling policy priority: requests run by band: interactive, then")
 
 
 def test_llmgate_batch_against_a_running_gateway(gateway: Served, tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from shared import api_keys
 def test_the_keys_file_names_the_flooder_and_the_trickle(tmp_path: Path) -> None:
     entries = api_keys.load(str(tenants.keys_file(tmp_path)))
     assert [e.name for e in entries] == ["flooder", "trickle", "operator"]
-    assert all(e.priority == "interactive" for e in entries)
+    assert all(e.band == "interactive" for e in entries)
     assert [e.admin for e in entries] == [False, False, True]  # it reads /metrics
     assert entries[0].key_sha256 == api_keys.sha256_hex(tenants.FLOODER_KEY)
 

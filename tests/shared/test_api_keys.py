@@ -33,7 +33,7 @@ def test_a_yaml_file_gives_names_limits_models_priority_and_admin() -> None:
     assert team.name == "team-a" and team.key_sha256 == sha256_hex("sk-team-a")
     assert (team.requests_per_minute, team.tokens_per_minute, team.max_concurrent) == (60, 1000, 2)
     assert team.allows("chat") and not team.allows("other")
-    assert nightly.key_sha256 == sha256_hex("sk-nightly") and nightly.priority == "batch"
+    assert nightly.key_sha256 == sha256_hex("sk-nightly") and nightly.band == "batch"
     assert nightly.allows("anything") and nightly.requests_per_minute == 0  # no limit
     assert ops.admin and not team.admin
 
@@ -52,6 +52,10 @@ def test_a_plain_list_still_works_and_is_named_by_hash() -> None:
         ("keys:\n  - name: a\n    key_sha256: abc\n", "64 hex digits"),
         ("keys:\n  - name: a\n    key: k\n    requests_per_minute: -1\n", "0 \\(no limit\\)"),
         ("keys:\n  - name: a\n    key: k\n    priority: urgent\n", "priority"),
+        (
+            "keys:\n  - name: a\n    key: k\n    band: standard\n    priority: batch\n",
+            "former name",
+        ),
         ("keys:\n  - name: a\n    key: k\n    colour: red\n", "colour"),
         ("keys:\n  - name: a\n    key: k\n  - name: a\n    key: j\n", "given twice"),
         ("keys:\n  - name: a\n    key: k\n  - name: b\n    key: k\n", "given twice"),

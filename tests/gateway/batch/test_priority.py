@@ -36,7 +36,9 @@ def make_pool(capacity: int, **settings: Any) -> tuple[Pool, Worker]:
 
 
 async def submit(pool: Pool, rid: str, low: bool = False) -> Any:
-    return await pool.submit(WorkOrder(rid, "chat", MODEL, {}, 0.0, low_priority=low))
+    return await pool.submit(
+        WorkOrder(rid, "chat", MODEL, {}, 0.0, band=protocol.BATCH if low else 0)
+    )
 
 
 async def settle() -> None:
@@ -105,7 +107,7 @@ async def test_waiting_batch_lines_never_fill_the_interactive_queue() -> None:
     pool.workers.ctx.term()
 
 
-@pytest.mark.parametrize(("policy", "engine_priority"), [("priority", 1), ("fcfs", 0)])
+@pytest.mark.parametrize(("policy", "engine_priority"), [("priority", protocol.BATCH), ("fcfs", 0)])
 def test_the_worker_applies_the_priority_only_under_the_priority_policy(
     policy: str, engine_priority: int
 ) -> None:
