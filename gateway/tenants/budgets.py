@@ -101,6 +101,10 @@ class Limit:
     def of(self, spend: Cost) -> int:
         return spend.tokens if self.unit == "tokens" else spend.micro_usd
 
+    def scaled(self, amount: int) -> float:
+        """``amount`` in the budget's unit: tokens, or dollars."""
+        return amount / MICRO if self.unit == "usd" else amount
+
     def shown(self, amount: int) -> str:
         return f"${amount / MICRO:,.2f}" if self.unit == "usd" else f"{amount:,} tokens"
 
@@ -170,17 +174,13 @@ class Standing:
 
     def as_dict(self) -> dict[str, Any]:
         """Tokens as integers, dollars as dollars."""
-        remaining = max(self.limit.amount - self.spent, 0)
-        amounts: tuple[float, float, float] = (self.limit.amount, self.spent, remaining)
-        if self.limit.unit == "usd":
-            amounts = tuple(amount / MICRO for amount in amounts)  # type: ignore[assignment]
-        limit, spent, left = amounts
+        scale = self.limit.scaled
         return {
             "budget": self.limit.field,
             "period": self.period_id,
-            "limit": limit,
-            "spent": spent,
-            "remaining": left,
+            "limit": scale(self.limit.amount),
+            "spent": scale(self.spent),
+            "remaining": scale(max(self.limit.amount - self.spent, 0)),
             "resets_at": int(self.ends_at),
         }
 
@@ -189,8 +189,7 @@ def show(entry: KeyEntry, spent: list[int]) -> None:
     """Set the key's ``llmgate_key_budget_remaining`` from each budget's spend."""
     assert entry.budget is not None
     for limit, amount in zip(limits_of(entry.budget), spent, strict=True):
-        scale = MICRO if limit.unit == "usd" else 1
-        REMAINING.labels(entry.name, limit.field).set(max(limit.amount - amount, 0) / scale)
+        REMAINING.labels(entry.name, limit.field).set(limit.scaled(max(limit.amount - amount, 0)))
 
 
 def over_budget(entry: KeyEntry, refusal: Refusal, now: float) -> errors.OverBudget:

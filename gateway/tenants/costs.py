@@ -37,11 +37,6 @@ def prompt_bound(raw: dict[str, Any]) -> int:
     return ids + sum(len(text.encode()) for text in texts) + template
 
 
-def reservation(raw: dict[str, Any], prompt_tokens: int, context: int, choices: int) -> int:
-    """Tokens a request may cost (``reserved``'s two parts together)."""
-    return sum(reserved(raw, prompt_tokens, context, choices))
-
-
 def reserved(
     raw: dict[str, Any], prompt_tokens: int, context: int, choices: int
 ) -> tuple[int, int]:

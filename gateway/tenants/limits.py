@@ -319,7 +319,12 @@ async def admit(
     # The builder's choices, or what a forwarded body asks for (n, best_of, ...).
     sequences = max(choices, choices_of(raw))
 
+    computed: list[tuple[int, int]] = []
+
     def cost() -> tuple[int, int]:
+        """Worked out once, when a limit or a budget asks."""
+        if computed:
+            return computed[0]
         context = max(
             (w.max_model_len for w in pool.healthy_workers() if target.model in w.models),
             default=0,
@@ -327,7 +332,8 @@ async def admit(
         # The prompt is estimated (``gateway.dispatch.models.CHARS_PER_TOKEN``)
         # unless the pools file's ``auto`` rules loaded a tokenizer: exact counting
         # would cost a tokenizer pass per request, and the reservation is settled anyway.
-        return reserved(raw, pool.names.prompt_tokens(raw), context, sequences)
+        computed.append(reserved(raw, pool.names.prompt_tokens(raw), context, sequences))
+        return computed[0]
 
     def bound() -> tuple[int, int]:
         """A budget's reservation: the prompt's bound, never less than it costs."""

@@ -25,7 +25,7 @@ from prometheus_client import REGISTRY
 from gateway import errors
 from gateway.context import RequestContext, context_of
 from gateway.tenants import limits as limits_module
-from gateway.tenants.costs import choices_of, reservation
+from gateway.tenants.costs import choices_of, reserved
 from gateway.tenants.limits import Limiter, LimitScope, settle
 from gateway.tenants.redis_limits import RedisLimits, key_of
 from gateway.tenants.refusals import duration, rate_headers
@@ -455,7 +455,7 @@ def _store_errors(operation: str) -> float:
 def test_reservation(
     raw: dict[str, Any], prompt: int, context: int, choices: int, cost: int
 ) -> None:
-    assert reservation(raw, prompt, context, choices) == cost
+    assert sum(reserved(raw, prompt, context, choices)) == cost
 
 
 @pytest.mark.parametrize(
