@@ -35,6 +35,7 @@ from shared import api_keys
 from shared.ports import free_port, free_port_range
 
 STARTUP_TIMEOUT_S = 600.0
+SETTLE_WAIT_S = 30.0
 PROMPT = "Budget race: count to ten."
 
 
@@ -80,6 +81,17 @@ async def _race(urls: list[str], key: str, body: dict[str, Any], n: int) -> list
             await client.aclose()
 
 
+def _budget(url: str, operator: str, name: str) -> dict[str, Any]:
+    usage = httpx.get(
+        f"{url}/v1/usage",
+        params={"key": name},
+        headers={"Authorization": f"Bearer {operator}"},
+        timeout=60,
+    ).json()
+    (row,) = [b for b in usage["budgets"] if b["key"] == name]
+    return dict(row)
+
+
 def one_run(index: int, urls: list[str], keys: dict[str, str], budget: int, args: Any) -> Run:
     body = {
         "model": args.model,
@@ -95,13 +107,14 @@ def one_run(index: int, urls: list[str], keys: dict[str, str], budget: int, args
         sys.exit(f"run {index}: {bad[0].status_code} {bad[0].text}")
     given = [a for a in answers if a.status_code == 200]
     engine_tokens = sum(a.json()["usage"]["total_tokens"] for a in given)
-    usage = httpx.get(
-        f"{urls[0]}/v1/usage",
-        params={"key": name},
-        headers={"Authorization": f"Bearer {keys['operator']}"},
-        timeout=60,
-    ).json()
-    (row,) = [b for b in usage["budgets"] if b["key"] == name]
+    # Each request's settlement reaches Redis just after its answer: the spend
+    # is read once it equals the engine's tokens, or after SETTLE_WAIT_S (the
+    # report then says they differ).
+    row = _budget(urls[0], keys["operator"], name)
+    deadline = time.monotonic() + SETTLE_WAIT_S
+    while row["spent"] != engine_tokens and time.monotonic() < deadline:
+        time.sleep(0.2)
+        row = _budget(urls[0], keys["operator"], name)
     reservation = prompt_bound(body) + args.race_tokens
     spent = int(row["spent"])
     return Run(

@@ -15,6 +15,7 @@ import httpx
 from gateway.tenants.costs import prompt_bound
 from tests.conftest import MODEL
 from tests.integration.tenancy.conftest import ADMIN, Tenancy
+from tests.integration.test_pool import wait_for
 
 BUDGET = 300  # tokens a day: about a quarter of the race's reservations
 MAX_TOKENS = 16
@@ -62,8 +63,16 @@ def test_a_budget_race_over_two_gateways_never_passes_the_budget(
         assert (error["code"], error["type"]) == ("insufficient_quota", "insufficient_quota")
         assert "tokens_per_day" in error["message"]
         assert 0 < int(answer.headers["retry-after"]) <= 24 * 3600
-    # Every token the engine computed for an answer it gave is counted once.
+    # Every token the engine computed for an answer it gave is counted once:
+    # settled (in Redis, in the background) once each request has ended.
     computed = sum(a.json()["usage"]["total_tokens"] for a in answers if a.status_code == 200)
+    wait_for(
+        lambda: budget_of(tenancy, "racer")["spent"] == computed,
+        60,
+        show=lambda: (
+            f"the engine computed {computed}; the budget shows {budget_of(tenancy, 'racer')}"
+        ),
+    )
     budget = budget_of(tenancy, "racer")
     assert (budget["budget"], budget["limit"]) == ("tokens_per_day", BUDGET)
     assert budget["spent"] == computed
