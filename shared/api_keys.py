@@ -27,8 +27,9 @@ import msgspec
 import yaml
 from msgspec.structs import force_setattr
 
-# A key's band (``protocol.BANDS``); ``priority:`` is its former name.
-BANDS = ("interactive", "standard", "batch")
+from shared.protocol import BANDS
+
+# A key's band (one of ``protocol.BANDS``); ``priority:`` is its former name.
 Band = Literal["interactive", "standard", "batch"]
 KEY_PREFIX = "sk-llmgate-"
 # The name usage and metrics give requests when no keys are configured

@@ -62,8 +62,10 @@ def periods(now: float) -> dict[str, Period]:
     moment = datetime.fromtimestamp(now, UTC)
     day = moment.replace(hour=0, minute=0, second=0, microsecond=0)
     month = day.replace(day=1)
-    next_month = month.replace(year=month.year + 1, month=1) if month.month == 12 else None
-    next_month = next_month or month.replace(month=month.month + 1)
+    if month.month == 12:
+        next_month = month.replace(year=month.year + 1, month=1)
+    else:
+        next_month = month.replace(month=month.month + 1)
     return {
         "day": Period("day", day.strftime("%Y-%m-%d"), day.timestamp() + 24 * 3600),
         "month": Period("month", month.strftime("%Y-%m"), next_month.timestamp()),
@@ -264,10 +266,12 @@ class MemoryBudgets:
             slot = (entry.id, limit.unit, now_periods[limit.period].id)
             self._spent.setdefault(slot, limit.of(spent[limit.period]))
 
-    def reserve(self, entry: KeyEntry, want: Cost) -> Refusal | Taken:
-        """Take ``want`` from every budget of ``entry``, or none and say which refuses."""
+    def reserve(
+        self, entry: KeyEntry, want: Cost, now_periods: dict[str, Period]
+    ) -> Refusal | Taken:
+        """Take ``want`` from every budget of ``entry`` in ``now_periods``, or
+        none and say which refuses."""
         assert entry.budget is not None
-        now_periods = periods(self.clock())
         for limit in limits_of(entry.budget):
             period = now_periods[limit.period]
             spent = self._spent.get((entry.id, limit.unit, period.id), 0)

@@ -17,6 +17,7 @@ from gateway.tenants.budgets import (
     Cost,
     Hold,
     MemoryBudgets,
+    Period,
     RedisBudgets,
     Refusal,
     Seeds,
@@ -64,35 +65,36 @@ class Spending:
         """Take ``want`` from the key's budgets, or raise ``errors.OverBudget``."""
         taken = None
         now = self.clock()
+        now_periods = periods(now)
         if self.limiter.uses_redis():
             assert self.redis is not None
             try:
                 taken = await self.redis.reserve(entry, want, now)
                 if taken is None:  # a count to start, once a period
-                    start = await self._spent_so_far(entry, now)
+                    start = await self._spent_so_far(entry, now_periods)
                     taken = await self.redis.reserve(entry, want, now, start)
                 self.limiter.redis_answered()
             except self.limiter.failures as exc:
                 self.limiter.redis_failed("budget", exc)
         shared = taken is not None
         if taken is None:
-            if self.memory.missing(entry, periods(now)):
-                start = await self._spent_so_far(entry, now)
-                self.memory.seed(entry, periods(now), start)
-            taken = self.memory.reserve(entry, want)
+            if self.memory.missing(entry, now_periods):
+                start = await self._spent_so_far(entry, now_periods)
+                self.memory.seed(entry, now_periods, start)
+            taken = self.memory.reserve(entry, want, now_periods)
         if isinstance(taken, Refusal):
             REFUSED.labels(entry.name, "budget").inc()
-            raise over_budget(entry, taken, self.clock())
+            raise over_budget(entry, taken, now)
         show(entry, taken.spent)
         return Hold(entry, taken.period_ids, want, price, shared)
 
-    async def _spent_so_far(self, entry: KeyEntry, now: float) -> Seeds:
+    async def _spent_so_far(self, entry: KeyEntry, now_periods: dict[str, Period]) -> Seeds:
         """What the key spent so far this day and month (nothing if not known)."""
         zero = {"day": Cost(0, 0), "month": Cost(0, 0)}
         if self.spent_so_far is None:
             return zero
         try:
-            spent = await self.spent_so_far(entry, periods(now))
+            spent = await self.spent_so_far(entry, now_periods)
         except errors.StateUnavailable as exc:
             if not self._seed_failed:
                 self._seed_failed = True

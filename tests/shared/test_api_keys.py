@@ -171,3 +171,12 @@ def test_list_shows_each_keys_id(tmp_path: Path, capsys: pytest.CaptureFixture[s
     key = api_keys.add(path, "team-a")
     curve_keys.main(["list", "--file", str(path)])
     assert f"\tid key_{sha256_hex(key)[:16]}" in capsys.readouterr().out
+
+
+def test_a_keys_band_is_one_of_the_protocols_bands() -> None:
+    """The keys file's type and the wire's order are one list, never two."""
+    from typing import get_args
+
+    from shared import api_keys, protocol
+
+    assert get_args(api_keys.Band) == protocol.BANDS
