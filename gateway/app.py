@@ -97,6 +97,8 @@ def create_api(settings: GatewaySettings, keys: auth.KeyRing | None = None) -> S
         await pool.start()
         limits = tenants.Limiter(settings.tenants.limits, timeout=settings.tenants.limits_timeout)
         await limits.start()
+        if settings.admission.fair_share:
+            limits.share_fairly(pool.admission.fair)
         # None when --cache is off; the pools file's `cache:` fills in the
         # settings that flags and environment left at their defaults.
         cache = open_cache(merge_config(settings.caching, models.config))

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -29,7 +28,7 @@ from typing import Any
 import httpx
 
 from gateway.tenants.costs import prompt_bound
-from loadtest.procs import await_ready, healthy_workers, launched
+from loadtest.procs import await_ready, healthy_workers, launched, start_redis
 from loadtest.report import ROOT, markdown_table, write_csv, write_json
 from shared import api_keys
 from shared.ports import free_port, free_port_range
@@ -51,22 +50,6 @@ class Run:
     refused: int
     engine_tokens: int
     counted_once: bool
-
-
-def _start_redis(run_dir: Path, stack: contextlib.ExitStack) -> str:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        sys.exit("redis-server is missing: scripts/debian-package.sh redis-server installs it")
-    port = free_port()
-    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    stack.enter_context(launched("redis", argv, run_dir / "redis.log", cwd=run_dir))
-    url = f"redis://127.0.0.1:{port}/0"
-    for _ in range(600):
-        with contextlib.suppress(OSError):
-            if "Ready to accept connections" in (run_dir / "redis.log").read_text():
-                return url
-        time.sleep(0.05)
-    sys.exit("redis-server did not start: see redis.log")
 
 
 async def _race(urls: list[str], key: str, body: dict[str, Any], n: int) -> list[httpx.Response]:
@@ -142,7 +125,7 @@ def run(run_dir: Path, args: Any) -> dict[str, Any]:
     port, base, lone_port = free_port(), free_port_range(1), free_port()
     runs: list[Run] = []
     with contextlib.ExitStack() as stack:
-        limits = _start_redis(run_dir, stack)
+        limits = start_redis(run_dir, stack)
         common = ["--api-keys-file", str(keys_path), "--limits", limits]
         serve_argv = [
             *(sys.executable, "-m", "serve", "--port", str(port)),

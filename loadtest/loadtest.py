@@ -307,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--gateways",
         type=int,
         default=1,
-        help="gateways sharing the state store that run the batch together (batch)",
+        help="gateways sharing the state store that run the batch together (batch); "
+        "gateways the flood and the trickle go over, round-robin (tenants)",
     )
     add(
         "--state-db",

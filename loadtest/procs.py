@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,9 +20,12 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import httpx
 import psutil
+
+from shared.ports import free_port
 
 STOP_GRACE_SECONDS = 30.0
 
@@ -154,3 +158,19 @@ def stop_on_signals() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def start_redis(run_dir: Path, stack: contextlib.ExitStack[Any]) -> str:
+    """Debian's ``redis-server`` on a free port, no persistence, stopped with ``stack``; its URL."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        sys.exit("redis-server is missing: scripts/debian-package.sh redis-server installs it")
+    port = free_port()
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    stack.enter_context(launched("redis", argv, run_dir / "redis.log", cwd=run_dir))
+    for _ in range(600):
+        with contextlib.suppress(OSError):
+            if "Ready to accept connections" in (run_dir / "redis.log").read_text():
+                return f"redis://127.0.0.1:{port}/0"
+        time.sleep(0.05)
+    sys.exit("redis-server did not start: see redis.log")

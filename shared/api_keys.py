@@ -277,8 +277,9 @@ def revoke(path: Path, name: str) -> None:
     _write_entries(path, kept)
 
 
-def describe(path: Path) -> list[str]:
-    """One line per key: its name, what it may do and its id (never the key or its hash)."""
+def describe(path: Path, spent: dict[tuple[str, str], float] | None = None) -> list[str]:
+    """One line per key: its name, what it may do and its id (never the key or its hash);
+    with ``spent`` (by key id and budget field, as a gateway counts it), each budget's spend."""
     rows = []
     for entry in load(path):
         limits = [
@@ -292,7 +293,7 @@ def describe(path: Path) -> list[str]:
         ]
         budget = entry.budget
         limits += [
-            f"{field.replace('_', ' ')} {getattr(budget, field):g}"
+            f"{field.replace('_', ' ')} {getattr(budget, field):g}{_spent(spent, entry.id, field)}"
             for field in BUDGET_FIELDS
             if budget is not None and getattr(budget, field)
         ]
@@ -303,6 +304,35 @@ def describe(path: Path) -> list[str]:
             f"\tid {entry.id}"
         )
     return rows
+
+
+def _spent(spent: dict[tuple[str, str], float] | None, key_id: str, field: str) -> str:
+    if not spent or (key_id, field) not in spent:
+        return ""
+    return f" (spent {spent[key_id, field]:g})"
+
+
+# Where ``llmgate keys list --gateway`` finds the admin key (not a flag: a
+# flag's value shows in the process list).
+ADMIN_KEY_ENV = "LLMGATE_ADMIN_KEY"
+
+
+def spent_by_gateway(url: str) -> dict[tuple[str, str], float]:
+    """Every budget's spend this period, by key id and budget field, as the gateway
+    at ``url`` counts it (``GET /v1/usage``: every key's, to an admin key)."""
+    import httpx
+
+    key = os.environ.get(ADMIN_KEY_ENV, "")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        answer = httpx.get(f"{url.rstrip('/')}/v1/usage", headers=headers, timeout=30)
+    except httpx.HTTPError as exc:
+        raise ValueError(f"{url} does not answer: {exc}") from None
+    if answer.status_code != 200:
+        raise ValueError(
+            f"{url}/v1/usage answered {answer.status_code}: set ${ADMIN_KEY_ENV} to an admin key"
+        )
+    return {(b["key_id"], b["budget"]): b["spent"] for b in answer.json().get("budgets", [])}
 
 
 def add_commands(commands: Any) -> None:
@@ -332,6 +362,12 @@ def add_commands(commands: Any) -> None:
         )
     list_cmd = commands.add_parser("list", help="the keys of a keys file, without secrets")
     list_cmd.add_argument("--file", required=True, type=Path)
+    list_cmd.add_argument(
+        "--gateway",
+        default="",
+        help="a gateway's URL: each budget's spend as it counts it (GET /v1/usage), "
+        f"with the admin key in ${ADMIN_KEY_ENV}",
+    )
     revoke_cmd = commands.add_parser("revoke", help="remove a key from a YAML keys file")
     revoke_cmd.add_argument("name")
     revoke_cmd.add_argument("--file", required=True, type=Path)
@@ -356,7 +392,8 @@ def run(args: argparse.Namespace) -> bool:
             print(key)
             print(f"added {args.name!r} to {args.file}; the key is shown only now", file=sys.stderr)
         elif args.command == "list":
-            print("\n".join(describe(args.file)))
+            spent = spent_by_gateway(args.gateway) if args.gateway else None
+            print("\n".join(describe(args.file, spent)))
         elif args.command == "revoke":
             revoke(args.file, args.name)
             print(f"revoked {args.name!r} in {args.file}", file=sys.stderr)

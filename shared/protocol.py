@@ -52,9 +52,9 @@ class Generate(_Message, tag="gen"):
     # The gateway's trace context (W3C ``traceparent``/``tracestate``) when
     # tracing is on: vLLM's own spans for the request join that trace.
     trace: dict[str, str] | None = None
-    # vLLM's request priority (a larger number is scheduled later): the
-    # request's band's place in ``BANDS``. Workers apply it only under
-    # ``--scheduling-policy priority`` (their default).
+    # vLLM's request priority (a larger number is scheduled later):
+    # ``engine_priority`` of its band and its rank in the band. Workers apply
+    # it only under ``--scheduling-policy priority`` (their default).
     priority: int = 0
 
 
@@ -64,6 +64,15 @@ BANDS = ("interactive", "standard", "batch")
 INTERACTIVE, STANDARD, BATCH = range(len(BANDS))
 # The priority of a batch job's lines (``gateway.batch``): after every other request.
 BATCH_PRIORITY = BATCH
+# Ranks within a band, in an engine's queue: its key's virtual tokens of
+# service (gateway.dispatch.fair_share), which years of traffic do not fill.
+BAND_SPAN = 1 << 48
+
+
+def engine_priority(band: int, rank: int = 0) -> int:
+    """The vLLM priority of a request of ``band`` ranked ``rank`` within it: every
+    request of a band before any of the next, and by rank within a band."""
+    return band * BAND_SPAN + min(rank, BAND_SPAN - 1)
 
 
 class Abort(_Message, tag="abort"):

@@ -103,7 +103,7 @@ def serve_namespace(namespace: argparse.Namespace) -> argparse.Namespace:
 
 
 def with_priority(body: Any, priority: int) -> Any:
-    """``body`` to run at ``priority`` (the engine's, from the gateway's band):
+    """``body`` to run at ``priority`` (the engine's, from the gateway's band and rank):
     its own ``priority`` field may ask to run later (a larger number), never
     sooner, or a tenant of a low band would jump the engine's queue. A field
     that is no integer is left for vLLM to refuse."""

@@ -95,6 +95,10 @@ class Admission:
         """The key a request is shared by: none (one line for all) without fair sharing."""
         return tenant if self._fair_share else None
 
+    def rank(self, tenant: Tenant) -> int:
+        """A request's place in its band in an engine's queue, once it has its slot."""
+        return self.fair.rank(self._tenant(tenant))
+
     async def acquire(
         self,
         order: WorkOrder,

@@ -9,7 +9,9 @@ request is charged its key's expected cost when it gets a slot, so a flood
 is charged before any of it ends, and settled to its usage when it ends. A
 key that becomes active starts level with the least-served active key: idle
 time banks no credit. Requests without a key share one counter. It never
-preempts a running request, and it shares only this process's slots.
+preempts a running request, and it shares only this process's slots; with
+the limits in Redis (``gateway.tenants.fair_counters``) the counters are
+every process's, and a request's ``rank`` orders it in the engine's queue.
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ def _any(_exclude: Collection[str]) -> bool:
 class _Account:
     """One key's service received, and what is charged to it in advance."""
 
-    __slots__ = ("active", "charged", "counter", "estimate", "outstanding")
+    __slots__ = ("active", "charged", "estimate", "outstanding", "served")
 
     def __init__(self, estimate: float) -> None:
-        # Virtual tokens of service received (and charged in advance).
-        self.counter = 0.0
+        # Virtual tokens of service received (settled, and lifts); its
+        # counter is this and what is charged in advance (``outstanding``).
+        self.served = 0.0
         # Requests of this key waiting or running in this process.
         self.active = 0
         # Requests charged the expected cost and not yet settled, and that cost in all.
@@ -66,6 +69,18 @@ class FairShare:
         self._order = itertools.count()
         # Keys with a request waiting or running.
         self._active_keys = 0
+        # Whether gateway.tenants.fair_counters keeps these counters level
+        # with other processes' (and so what they have not heard is kept);
+        # and whether they are every process's: only then do they rank
+        # requests in the engines' queues, which every gateway feeds.
+        self.kept_level = False
+        self.shared = False
+        # What other processes have not been told yet: tokens of service
+        # settled here and lifts, per key; and the least counter of the keys
+        # active in any process, as last heard (None: none, or not shared).
+        self._added: dict[str, float] = {}
+        self._lifted: dict[str, float] = {}
+        self.active_min: float | None = None
 
     def _account(self, tenant: Tenant) -> _Account:
         account = self._accounts.get(tenant)
@@ -75,7 +90,17 @@ class FairShare:
 
     def counter(self, tenant: Tenant) -> float:
         account = self._accounts.get(tenant)
-        return account.counter if account is not None else self._floor
+        return account.served + account.outstanding if account is not None else self._floor
+
+    def rank(self, tenant: Tenant) -> int:
+        """Where a request of ``tenant`` that just got its slot goes in its band
+        in an engine's queue: its key's counter before that charge (0, first
+        come first served, unless the counters are shared: one process's
+        counters mean nothing beside another's)."""
+        account = self._accounts.get(tenant)
+        if not self.shared or account is None:
+            return 0
+        return max(0, int(account.served + account.outstanding - account.estimate))
 
     def ticket(self) -> int:
         """A waiter's place in arrival order (kept when it waits again after a wake-up)."""
@@ -88,13 +113,22 @@ class FairShare:
             # Service the others received, not what they were charged in
             # advance (their estimates may be high: the newcomer would then
             # lose turns it is owed once they settle).
-            lift = self._floor
-            if self._active_keys:
-                lift = min(a.counter - a.outstanding for a in self._accounts.values() if a.active)
-            if lift > account.counter:
-                account.counter = lift
+            lift = self._lift()
+            if lift > account.served:
+                account.served = lift
+                if self.kept_level and tenant is not None:
+                    self._lifted[tenant] = max(lift, self._lifted.get(tenant, 0.0))
             self._active_keys += 1
         account.active += 1
+
+    def _lift(self) -> float:
+        """Where a key that becomes active starts: level with the least-served key active here
+        or (shared) anywhere, else the floor."""
+        least = self.active_min
+        if self._active_keys:
+            here = min(a.served for a in self._accounts.values() if a.active)
+            least = here if least is None else min(least, here)
+        return self._floor if least is None else least
 
     def depart(self, tenant: Tenant) -> None:
         """A request of ``tenant`` left: refused before it had a slot, or ended."""
@@ -105,12 +139,11 @@ class FairShare:
         if account.active == 0:
             self._active_keys -= 1
             if not self._active_keys:
-                self._floor = max(self._floor, account.counter)
+                self._floor = max(self._floor, account.served)
 
     def charge(self, tenant: Tenant) -> None:
         """A request of ``tenant`` is given a slot: its expected cost, in advance."""
         account = self._account(tenant)
-        account.counter += account.estimate
         account.outstanding += account.estimate
         account.charged += 1
 
@@ -136,11 +169,56 @@ class FairShare:
         # Woken but left without the slot: refunded. Ended without usage
         # (aborted, failed): the expected cost stays charged.
         if refund:
-            account.counter -= advance
-        elif tokens is not None:
-            account.counter += tokens - advance
+            return
+        served = advance
+        if tokens is not None:
+            served = tokens
             account.estimate += _EWMA_WEIGHT * (tokens - account.estimate)
             self._mean += _EWMA_WEIGHT * (tokens - self._mean)
+        account.served += served
+        if self.kept_level and tenant is not None:
+            self._added[tenant] = self._added.get(tenant, 0.0) + served
+
+    # -- shared with the other processes (gateway.tenants.fair_counters) ----
+
+    def exchange(self) -> list[tuple[str, float, float, bool]]:
+        """What to tell the other processes, taken: per key (active here, or
+        with news), the level it was lifted to, the service settled since the
+        last exchange, and whether it is active here."""
+        news = self._added.keys() | self._lifted.keys()
+        told = [
+            (tenant, self._lifted.get(tenant, 0.0), self._added.get(tenant, 0.0), bool(a.active))
+            for tenant, a in self._accounts.items()
+            if tenant is not None and (a.active or tenant in news)
+        ]
+        self._added.clear()
+        self._lifted.clear()
+        return told
+
+    def untold(self, told: list[tuple[str, float, float, bool]]) -> None:
+        """An exchange that did not reach the others: told again next time."""
+        for tenant, lift, added, _ in told:
+            if lift:
+                self._lifted[tenant] = max(lift, self._lifted.get(tenant, 0.0))
+            if added:
+                self._added[tenant] = self._added.get(tenant, 0.0) + added
+
+    def absorb(self, served: dict[str, float], active_min: float | None, floor: float) -> None:
+        """What every process together says after an exchange: the service of
+        the keys this process told of, the least of the keys active anywhere,
+        and the floor. What happened here since the exchange stays on top."""
+        for tenant, value in served.items():
+            account = self._accounts.get(tenant)
+            if account is not None:
+                since = max(value, self._lifted.get(tenant, 0.0))
+                account.served = since + self._added.get(tenant, 0.0)
+        self.active_min = active_min
+        self._floor = max(self._floor, floor)
+        self.shared = True
+
+    def unshared(self) -> None:
+        """The other processes cannot be heard (Redis is down): this process's counters alone."""
+        self.active_min = None
 
 
 class FairQueue:

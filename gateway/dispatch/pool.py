@@ -195,7 +195,9 @@ class Pool:
             params=order.params,
             deadline=order.deadline,
             trace=order.trace,
-            priority=order.band,
+            # Its band, and in it its key's place by fair sharing (the
+            # engine's queue holds every gateway's requests).
+            priority=protocol.engine_priority(order.band, self.admission.rank(tenant)),
         )
         try:
             # Leaves at the end of this loop turn; if the connection turns out

@@ -27,9 +27,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import errors
 from gateway.context import RequestContext, context_of
+from gateway.dispatch.fair_share import FairShare
 from gateway.dispatch.models import Target
 from gateway.tenants import budgets
 from gateway.tenants.costs import choices_of, prompt_bound, reserved
+from gateway.tenants.fair_counters import FairCounters
 from gateway.tenants.redis_limits import LEASE_SECONDS, TIMEOUT, RedisLimits
 from gateway.tenants.refusals import REFUSED, rate_headers, refusal
 from gateway.tenants.spending import Spending
@@ -138,12 +140,22 @@ class Limiter:
         self._renewer: asyncio.Task[None] | None = None
         # The keys' budgets: where the limits are (Redis or this process).
         self.spending = Spending(self, self.redis.client if self.redis else None, wall_clock)
+        self.fair_counters: FairCounters | None = None
 
     async def start(self) -> None:
         if self.redis is not None:
             self._renewer = asyncio.create_task(self._renew_leases())
 
+    def share_fairly(self, share: FairShare) -> None:
+        """Keep fair sharing's counters (``share``) level with every process's,
+        where the limits are: in Redis, when set; else they stay this process's."""
+        if self.redis is not None:
+            self.fair_counters = FairCounters(share, self, self.redis.client)
+            self.fair_counters.start()
+
     async def stop(self) -> None:
+        if self.fair_counters is not None:
+            await self.fair_counters.stop()
         if self._renewer is not None:
             self._renewer.cancel()
             await asyncio.gather(self._renewer, return_exceptions=True)

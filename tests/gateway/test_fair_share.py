@@ -28,7 +28,7 @@ from gateway.dispatch.workers import Worker, Workers
 from shared import protocol, routes
 from shared.api_keys import KeyEntry
 from shared.settings import GatewaySettings, LinkSettings, RoutingSettings
-from tests.gateway.api.test_attempts import answer, sent_to
+from tests.gateway.api.test_attempts import answer, generated, sent_to
 from tests.gateway.test_admission import M, add, admission
 from tests.gateway.test_liveness import NoEvents
 from tests.gateway.test_pool import healthy_worker
@@ -286,5 +286,31 @@ async def test_the_pool_charges_a_request_its_usage_as_the_worker_reports_it() -
         handle.close()
         # answer() reports 3 prompt tokens and one completion token per text.
         assert pool.admission.fair.counter("team-a") == 3 + 2
+    finally:
+        pool.workers.ctx.term()
+
+
+async def test_a_request_carries_its_keys_rank_to_the_engine_once_the_counters_are_shared() -> None:
+    """The engine's queue holds every gateway's requests: a request's vLLM
+    priority is its band and, once the counters are every process's
+    (gateway.tenants.fair_counters), its key's counter before its charge;
+    until then first come, first served within the band."""
+    pool = Pool(routing=RoutingSettings(policy="round-robin"))
+    try:
+        worker = healthy_worker(pool, "a")
+
+        async def one(rid: str) -> int:
+            handle = await pool.submit(WorkOrder(rid, "completion", "m", {}, 0.0, tenant="team-a"))
+            sent = await generated(worker)
+            answer(pool, worker, sent.request_id, "Hello", " world")  # 5 tokens
+            async for _ in handle:
+                pass
+            handle.close()
+            return sent.priority
+
+        assert await one("r1") == protocol.engine_priority(protocol.INTERACTIVE, 0)
+        pool.admission.fair.absorb({}, None, 0.0)  # an exchange answered: shared
+        assert await one("r2") == protocol.engine_priority(protocol.INTERACTIVE, 5)
+        assert await one("r3") == protocol.engine_priority(protocol.INTERACTIVE, 10)
     finally:
         pool.workers.ctx.term()

@@ -51,7 +51,7 @@ async def test_a_batch_line_takes_a_free_slot_and_carries_the_batch_priority() -
     handle = await submit(pool, "b", low=True)
     interactive = await submit(pool, "i")
     sent = worker.link.sent  # type: ignore[attr-defined]
-    assert [m.priority for m in sent] == [protocol.BATCH_PRIORITY, 0]
+    assert [m.priority for m in sent] == [protocol.engine_priority(protocol.BATCH_PRIORITY), 0]
     handle.close()
     interactive.close()
     pool.workers.ctx.term()

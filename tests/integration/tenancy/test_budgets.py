@@ -8,11 +8,15 @@ what it could cost (``gateway.tenants.costs.prompt_bound``).
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from typing import Any
 
 import httpx
 
 from gateway.tenants.costs import prompt_bound
+from shared import api_keys
 from tests.conftest import MODEL
 from tests.integration.tenancy.conftest import ADMIN, Tenancy
 from tests.integration.test_pool import wait_for
@@ -83,3 +87,35 @@ def test_a_budget_race_over_two_gateways_never_passes_the_budget(
     )
     assert budget["spent"] <= BUDGET
     assert budget["remaining"] == max(BUDGET - budget["spent"], 0)
+    # An operator reads the same spend with the keys file.
+    assert f"tokens per day {BUDGET} (spent {computed})" in keys_list(tenancy, "racer")
+
+
+def keys_list_argv(tenancy: Tenancy) -> list[str]:
+    return [sys.executable, "-m", "shared.cli", "keys", "list", "--file", str(tenancy.keys_file)]
+
+
+def keys_list(tenancy: Tenancy, name: str) -> str:
+    """``llmgate keys list --gateway``'s line for ``name``, as an operator runs it."""
+    listed = subprocess.run(
+        [*keys_list_argv(tenancy), "--gateway", tenancy.gateways[1].base_url],
+        env={**os.environ, api_keys.ADMIN_KEY_ENV: tenancy.keys[ADMIN]},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    (line,) = [row for row in listed.stdout.splitlines() if row.startswith(f"{name}\t")]
+    return line
+
+
+def test_keys_list_without_an_admin_key_says_what_it_needs(tenancy: Tenancy) -> None:
+    listed = subprocess.run(
+        [*keys_list_argv(tenancy), "--gateway", tenancy.gateways[0].base_url],
+        env={k: v for k, v in os.environ.items() if k != api_keys.ADMIN_KEY_ENV},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert listed.returncode == 2
+    assert api_keys.ADMIN_KEY_ENV in listed.stderr
