@@ -1,0 +1,213 @@
+"""What the KV index costs one gateway process (``gateway.dispatch.kv_index``), measured.
+
+    .venv/bin/python -m loadtest.kv_index_bench [--workers 32] [--blocks 1000000]
+
+Three figures, in this process, no network:
+
+* **absorbed**: block events (stored and removed blocks) per second that
+  decoding and applying vLLM's msgpack batches takes, from ``--workers``
+  simulated engines each filling a cache of ``--cache-blocks`` blocks of
+  ``--block-size`` tokens with conversations that share a system prompt,
+  evicting least recently used blocks once full (the batches are encoded
+  before the clock starts, as the ZeroMQ socket hands them over);
+* **memory**: bytes the index holds per block indexed, at ``--blocks``
+  blocks over the workers (``tracemalloc``);
+* **match**: the routing lookup for a ``--prompt-tokens`` (2,000) prompt,
+  its block keys and the walk over the index, p50 and p99 (tokenizing the
+  prompt is not in it).
+
+Writes ``summary.json`` under ``loadtest/results/<time>-kv-index/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import random
+import statistics
+import time
+import tracemalloc
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+
+from gateway.dispatch.kv_index import (
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KvIndex,
+    block_keys,
+    decode_batch,
+)
+from loadtest.report import results_dir, write_json
+
+
+class _Engine:
+    """One simulated engine's prefix cache: which blocks it holds, least recent first."""
+
+    def __init__(self, cache_blocks: int, block_size: int, rng: random.Random) -> None:
+        self.cache_blocks = cache_blocks
+        self.block_size = block_size
+        self.rng = rng
+        self.held: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.next_hash = rng.randrange(1 << 60)
+
+    def request(self, system: list[int], turns: int) -> list[bytes]:
+        """One conversation's prompt stored (the system prompt's blocks shared), as
+        the batches its engine would publish: the new blocks, and what they evicted."""
+        encode = msgspec.msgpack.Encoder().encode
+        size = self.block_size
+        tokens = system + [self.rng.randrange(50_000) for _ in range(turns * size)]
+        batches = []
+        parent: int | None = None
+        hashes = []
+        for start in range(0, len(tokens) - size + 1, size):
+            # Equal content hashes alike in vLLM too: a shared prefix is one block.
+            block_hash = hash((parent, *tokens[start : start + size])) & ((1 << 63) - 1)
+            hashes.append((block_hash, parent, tokens[start : start + size]))
+            parent = block_hash
+        events: list[Any] = []
+        for block_hash, parent_hash, block in hashes:
+            if block_hash in self.held:
+                self.held.move_to_end(block_hash)
+                continue
+            events.append(BlockStored([block_hash], parent_hash, block, size))
+            self.held[block_hash] = None
+        evicted = []
+        while len(self.held) > self.cache_blocks:
+            evicted.append(self.held.popitem(last=False)[0])
+        if evicted:
+            events.append(BlockRemoved(evicted))
+        if events:
+            batches.append(encode(EventBatch(time.time(), events)))
+        return batches
+
+
+def _events(args: argparse.Namespace) -> tuple[list[tuple[str, bytes]], int]:
+    """Every engine's batches, interleaved, and the block events they hold."""
+    rng = random.Random(7)
+    systems = [[rng.randrange(50_000) for _ in range(args.block_size * 8)] for _ in range(16)]
+    engines = {
+        f"tcp://10.0.0.{i}:5557": _Engine(args.cache_blocks, args.block_size, rng)
+        for i in range(args.workers)
+    }
+    out: list[tuple[str, bytes]] = []
+    block_events = 0
+    while block_events < args.events:
+        for address, engine in engines.items():
+            for payload in engine.request(rng.choice(systems), rng.randrange(1, 12)):
+                out.append((address, payload))
+                for event in decode_batch(payload).events:
+                    if isinstance(event, BlockStored | BlockRemoved):
+                        block_events += len(event.block_hashes)
+    return out, block_events
+
+
+def absorbed(args: argparse.Namespace) -> dict[str, float]:
+    batches, block_events = _events(args)
+    index = KvIndex()
+    gc.collect()
+    started = time.perf_counter()
+    for address, payload in batches:
+        index.apply(address, decode_batch(payload))
+    seconds = time.perf_counter() - started
+    return {
+        "batches": len(batches),
+        "block_events": block_events,
+        "seconds": round(seconds, 3),
+        "block_events_per_s": round(block_events / seconds),
+        "blocks_indexed_at_end": len(index),
+    }
+
+
+def memory(args: argparse.Namespace) -> dict[str, float]:
+    """Bytes per block, with ``--blocks`` distinct blocks spread over the workers."""
+    rng = random.Random(11)
+    per_worker = args.blocks // args.workers
+    batches = []
+    for w in range(args.workers):
+        tokens = [rng.randrange(50_000) for _ in range(per_worker * args.block_size)]
+        hashes = list(range(w * per_worker + 1, (w + 1) * per_worker + 1))
+        event = BlockStored(hashes, None, tokens, args.block_size)
+        # One chain per worker: each block's parent is the one before.
+        batches.append((f"w{w}", EventBatch(0.0, [event])))
+    gc.collect()
+    tracemalloc.start()
+    index = KvIndex()
+    for address, batch in batches:
+        index.apply(address, batch)
+    size, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return {
+        "blocks": len(index),
+        "bytes": size,
+        "bytes_per_block": round(size / max(1, len(index)), 1),
+        "mib_per_million_blocks": round(size / max(1, len(index)) * 1e6 / 2**20, 1),
+    }
+
+
+def match(args: argparse.Namespace) -> dict[str, float]:
+    """The lookup for one long prompt against an index of ``--workers`` engines,
+    each holding a different share of its leading blocks."""
+    rng = random.Random(13)
+    size = args.block_size
+    prompt = [rng.randrange(50_000) for _ in range(args.prompt_tokens)]
+    index = KvIndex()
+    blocks = len(prompt) // size
+    for w in range(args.workers):
+        held = rng.randrange(blocks + 1)
+        if held:
+            hashes = list(range(w * 10_000 + 1, w * 10_000 + held + 1))
+            event = BlockStored(hashes, None, prompt[: held * size], size)
+            index.apply(f"w{w}", EventBatch(0.0, [event]))
+    times = []
+    for _ in range(args.match_runs):
+        started = time.perf_counter_ns()
+        index.match(block_keys(prompt, size))
+        times.append((time.perf_counter_ns() - started) / 1000)
+    times.sort()
+    return {
+        "prompt_tokens": len(prompt),
+        "blocks": blocks,
+        "p50_us": round(statistics.median(times), 1),
+        "p99_us": round(times[int(len(times) * 0.99) - 1], 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=32)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--cache-blocks", type=int, default=4096, help="per simulated engine")
+    parser.add_argument("--events", type=int, default=1_000_000, help="block events absorbed")
+    parser.add_argument("--blocks", type=int, default=1_000_000, help="blocks for the memory")
+    parser.add_argument("--prompt-tokens", type=int, default=2000)
+    parser.add_argument("--match-runs", type=int, default=2000)
+    args = parser.parse_args(argv)
+    started = datetime.now(UTC)
+    report = {
+        "date": started.isoformat(),
+        "workers": args.workers,
+        "block_size": args.block_size,
+        "absorbed": absorbed(args),
+        "memory": memory(args),
+        "match": match(args),
+    }
+    out = results_dir("kv-index", started)
+    write_json(out / "summary.json", report)
+    a, m, k = report["absorbed"], report["memory"], report["match"]
+    print(
+        f"absorbed: {a['block_events_per_s']:,} block events/s "
+        f"({a['block_events']:,} in {a['seconds']} s, {a['batches']:,} batches)\n"
+        f"memory: {m['bytes_per_block']} bytes per block "
+        f"({m['mib_per_million_blocks']} MiB per million; {m['blocks']:,} blocks)\n"
+        f"match, {k['prompt_tokens']}-token prompt ({k['blocks']} blocks) over "
+        f"{args.workers} workers: p50 {k['p50_us']} us, p99 {k['p99_us']} us\n"
+        f"written to {out}"
+    )
+
+
+if __name__ == "__main__":
+    main()
