@@ -219,6 +219,17 @@ WORKER_KV_USAGE = Gauge(
     ["worker"],
     multiprocess_mode="mostrecent",
 )
+KV_INDEX_BLOCKS = Gauge(
+    "llmgate_kv_index_blocks",
+    "Cache blocks the worker's engine holds, as its KV cache events told this process.",
+    ["worker"],
+    multiprocess_mode="mostrecent",
+)
+KV_EVENTS_GAPS = Counter(
+    "llmgate_kv_events_gaps",
+    "Times batches of the worker's KV cache events were missed (a sequence gap).",
+    ["worker"],
+)
 WORKER_IN_FLIGHT = Gauge(
     "llmgate_worker_in_flight",
     "Requests this gateway has in flight on the worker.",

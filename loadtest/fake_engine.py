@@ -121,6 +121,8 @@ class FakeEngine:
         self.running = 0
         self.chat_parser = False
         self.reasoning_parser = False
+        self.kv_events_port = 0
+        self.kv_block_size = 0
 
     async def start(self) -> None:
         return None

@@ -194,6 +194,11 @@ class Heartbeat(_Message, tag="hb"):
     # A reasoning parser splits a chat's answer into reasoning and content,
     # which only vLLM's server builds: the gateway sends it every chat.
     reasoning_parser: bool = False
+    # Where its engine publishes its KV cache events (vLLM's
+    # --kv-events-config, ZeroMQ): the port on the worker's host, 0 = none;
+    # and the tokens of a cache block.
+    kv_events_port: int = 0
+    kv_block_size: int = 0
 
 
 # gateway -> worker: Generate (a request to run), Abort (stop these requests:

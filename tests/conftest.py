@@ -12,6 +12,7 @@ with engines of their own get them started one module ahead
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -199,6 +200,12 @@ def stop_serve(served: Served, sig: int = signal.SIGTERM, timeout: float = 60.0)
         return served.proc.wait()
 
 
+def kv_events_config(port: int) -> str:
+    """vLLM's ``--kv-events-config``: its KV cache events over ZeroMQ on ``port``."""
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+    return json.dumps(config)
+
+
 def launch_session_serve(directory: Path) -> Served:
     """The session's system, started (not yet ready)."""
     metrics_port = free_port()
@@ -221,6 +228,9 @@ def launch_session_serve(directory: Path) -> Served:
         # what the batch tests count to see that no line ran twice
         # (tests/integration/test_batches.py, engine_runs).
         "--enable-log-requests",
+        # Its engine publishes its KV cache events (tests/integration/test_kv_events.py).
+        "--kv-events-config",
+        kv_events_config(free_port()),
         env={**limits, **engine, **PATIENCE},
     )
     running.worker_metrics_port = metrics_port

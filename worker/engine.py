@@ -140,6 +140,8 @@ class Engine:
         self.namespace = namespace
         # vLLM streams chats in another shape under a tool or reasoning
         # parser; under a reasoning parser, only its server builds them.
+        self.kv_events_port = kv_events_port(self.llm.vllm_config.kv_events_config)
+        self.kv_block_size: int = self.llm.vllm_config.cache_config.block_size or 0
         self.reasoning_parser = bool(getattr(namespace, "reasoning_parser", None))
         self.chat_parser = self.reasoning_parser or bool(
             getattr(namespace, "tool_call_parser", None)
@@ -259,3 +261,17 @@ def _lora_requests(modules: list[Any] | None) -> dict[str, Any]:
         module.name: LoRARequest(lora_name=module.name, lora_int_id=i, lora_path=module.path)
         for i, module in enumerate(modules, start=1)
     }
+
+
+def kv_events_port(config: Any) -> int:
+    """The TCP port vLLM's ``--kv-events-config`` publishes KV cache events on, when it
+    publishes them over ZeroMQ on a TCP port this host binds; else 0."""
+    if config is None or not config.enable_kv_cache_events or config.publisher != "zmq":
+        return 0
+    endpoint = str(config.endpoint or "")
+    if not endpoint.startswith("tcp://") or ":" not in endpoint[6:]:
+        return 0
+    try:
+        return int(endpoint.rsplit(":", 1)[1])
+    except ValueError:
+        return 0

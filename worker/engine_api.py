@@ -28,6 +28,9 @@ class ModelEngine(Protocol):
     # reasoning parser only vLLM's own server builds them.
     chat_parser: bool
     reasoning_parser: bool
+    # The port its engine publishes KV cache events on (0: none), and its block size.
+    kv_events_port: int
+    kv_block_size: int
 
     async def start(self) -> None:
         """Ready what requests need beyond the model (vLLM's server app)."""

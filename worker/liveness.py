@@ -113,6 +113,8 @@ class Liveness:
             pool=self.settings.pool,
             chat_parser=self.engine.chat_parser,
             reasoning_parser=self.engine.reasoning_parser,
+            kv_events_port=self.engine.kv_events_port,
+            kv_block_size=self.engine.kv_block_size,
         )
 
     async def heartbeats(self) -> None:

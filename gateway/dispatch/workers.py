@@ -24,6 +24,7 @@ import zmq
 from prometheus_client import Gauge
 
 from gateway import metrics
+from gateway.dispatch.kv_events import KvEvents
 from gateway.dispatch.transport import LinkEvents, WorkerLink
 from shared import curve_keys, protocol
 from shared.settings import LinkSettings
@@ -117,6 +118,8 @@ class Workers:
         # Every model a worker has said it serves (metrics label only these).
         self.known_models: set[str] = set()
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        # What each worker's engine holds in its prefix cache, from its KV events.
+        self.kv = KvEvents(self.ctx)
         self._curve = curve_keys.gateway_curve(settings)  # None: plaintext links
         self._link_events = LinkEvents(self._dispatch, self._on_disconnect, self._on_connect)
         self._events = events
@@ -166,6 +169,7 @@ class Workers:
                 worker.retired = True
 
     async def close(self) -> None:
+        self.kv.close()
         for worker in self.by_address.values():
             if worker.requests:
                 worker.link.send(protocol.Abort(request_ids=list(worker.requests)))
@@ -228,6 +232,7 @@ class Workers:
         worker.max_model_len = beat.max_model_len
         worker.chat_parser = beat.chat_parser
         worker.reasoning_parser = beat.reasoning_parser
+        self.kv.heard(worker.address, beat.incarnation, beat.kv_events_port, beat.kv_block_size)
         # The worker's count includes this gateway's own requests, which
         # in_flight already knows exactly and at once: keep only the rest.
         worker.others = max(0, beat.running + beat.waiting - worker.in_flight)
@@ -278,6 +283,9 @@ class Workers:
             metrics.WORKER_STALLS.labels(worker.key, "lost").inc()
         worker.healthy = False
         metrics.WORKER_HEALTHY.labels(worker.key).set(0)
+        if not silent:
+            # Its connection dropped: its process (and its cache) likely went.
+            self.kv.forget(worker.address)
         may_return = silent and self.settings.stall_timeout > self.settings.heartbeat_timeout
         failed, kept = self._events.worker_lost(
             worker, f"the worker was lost: {reason}", may_return
@@ -330,6 +338,7 @@ class Workers:
 
     async def _remove(self, worker: Worker) -> None:
         del self.by_address[worker.address]
+        self.kv.forget(worker.address)
         metrics.WORKER_HEALTHY.labels(worker.key).set(0)
         await worker.link.close()
         if not self.healthy():
