@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes.util
+import json
 import logging
 import os
 import shutil
@@ -256,7 +257,7 @@ def _worker_child(
     if otlp_endpoint and not any(a.startswith("--otlp-traces-endpoint") for a in engine_args):
         # vLLM's own spans, in the trace the gateway starts for each request.
         argv += ["--otlp-traces-endpoint", otlp_endpoint]
-    argv += engine_args
+    argv += kv_events_per_worker(engine_args, index)
     return Child(
         name=f"worker-{index}",
         argv=argv,
@@ -332,3 +333,35 @@ def plan_children(
         worker.env.update(shared_env)
     gateway_flags, gateway_env = hand_over(namespace, GATEWAY_FLAGS)
     return [*workers, _gateway_child(serve, len(workers), gateway_flags, gateway_env)]
+
+
+KV_EVENTS_FLAG = "--kv-events-config"
+
+
+def kv_events_per_worker(engine_args: list[str], index: int) -> list[str]:
+    """``engine_args`` for worker ``index``: a ``--kv-events-config`` publishing on a
+    TCP port gets that port plus ``index`` (and its replay endpoint too), so the
+    workers of one host do not all bind one port (as vLLM offsets its own per rank)."""
+    out = list(engine_args)
+    for i, arg in enumerate(out):
+        if arg == KV_EVENTS_FLAG and i + 1 < len(out):
+            out[i + 1] = _offset_kv_events(out[i + 1], index)
+        elif arg.startswith(KV_EVENTS_FLAG + "="):
+            out[i] = f"{KV_EVENTS_FLAG}={_offset_kv_events(arg.split('=', 1)[1], index)}"
+    return out
+
+
+def _offset_kv_events(value: str, index: int) -> str:
+    try:
+        config = json.loads(value)
+    except ValueError:
+        return value  # vLLM says what is wrong with it
+    if not index or not isinstance(config, dict):
+        return value
+    for name in ("endpoint", "replay_endpoint"):
+        endpoint = config.get(name)
+        if isinstance(endpoint, str) and endpoint.startswith("tcp://"):
+            host, _, port = endpoint.rpartition(":")
+            if port.isdigit() and int(port):
+                config[name] = f"{host}:{int(port) + index}"
+    return json.dumps(config)
