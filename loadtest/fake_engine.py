@@ -127,6 +127,9 @@ class FakeEngine:
     async def start(self) -> None:
         return None
 
+    def describe_tokenizer(self) -> tuple[str, str, dict[str, str]] | None:
+        return None  # the double has no tokenizer
+
     def engine_priority(self, priority: int) -> int:
         return 0  # one first-come line, as vLLM's default policy
 

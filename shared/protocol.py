@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 # Generous for long prompts and big batches of deltas, small enough that a
 # bad peer cannot make us allocate without bound (ZMQ_MAXMSGSIZE).
@@ -82,6 +82,22 @@ class Abort(_Message, tag="abort"):
 class Ping(_Message, tag="ping"):
     gateway_id: str
     sent_at: float
+
+
+class Describe(_Message, tag="describe"):
+    """Send this gateway what it needs to tokenize ``model``'s prompts as the engine does."""
+
+    model: str
+
+
+class Tokenizer(_Message, tag="tokenizer"):
+    """A served model's tokenizer (Hugging Face ``tokenizers`` JSON), its chat template
+    (Jinja, as the engine applies it) and the special tokens the template names."""
+
+    model: str
+    tokenizer_json: str
+    chat_template: str
+    special_tokens: dict[str, str]
 
 
 class TopLogprob(msgspec.Struct, array_like=True, gc=False):
@@ -203,12 +219,14 @@ class Heartbeat(_Message, tag="hb"):
 
 # gateway -> worker: Generate (a request to run), Abort (stop these requests:
 # client gone, deadline passed), Ping (the gateway is alive; a worker aborts
-# the requests of a gateway it has not heard from within its timeout).
-ToWorker = Generate | Abort | Ping
+# the requests of a gateway it has not heard from within its timeout),
+# Describe (send the model's Tokenizer).
+ToWorker = Generate | Abort | Ping | Describe
 # worker -> gateway: Deltas (every request's new output since the last engine
 # step, in one frame: message rate = step rate, not token rate), Failed (a
-# request could not run), Heartbeat (the worker's identity, models, load, capacity).
-ToGateway = Deltas | Failed | Heartbeat
+# request could not run), Heartbeat (the worker's identity, models, load, capacity),
+# Tokenizer (the answer to Describe).
+ToGateway = Deltas | Failed | Heartbeat | Tokenizer
 
 
 def encoder() -> msgspec.msgpack.Encoder:

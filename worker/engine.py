@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from shared import protocol
@@ -164,6 +165,22 @@ class Engine:
     def priority_scheduling(self) -> bool:
         return self.scheduling_policy == "priority"
 
+    def describe_tokenizer(self) -> tuple[str, str, dict[str, str]] | None:
+        """Its tokenizer's JSON, the chat template it applies and the special tokens
+        that template names (``protocol.Tokenizer``); None without a fast tokenizer."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return None
+        template = load_chat_template(getattr(self.namespace, "chat_template", None))
+        if template is None:
+            template = getattr(self.tokenizer, "chat_template", None) or ""
+        special = {
+            name: str(value)
+            for name, value in getattr(self.tokenizer, "special_tokens_map", {}).items()
+            if isinstance(value, str)
+        }
+        return backend.to_str(), str(template), special
+
     def engine_priority(self, priority: int) -> int:
         """The vLLM priority for a request the gateway sent with ``priority``."""
         return priority if self.priority_scheduling else 0
@@ -275,3 +292,16 @@ def kv_events_port(config: Any) -> int:
         return int(endpoint.rsplit(":", 1)[1])
     except ValueError:
         return 0
+
+
+def load_chat_template(chosen: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the template itself; None when not given."""
+    if not chosen:
+        return None
+    path = Path(chosen)
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except OSError:
+        pass
+    return chosen

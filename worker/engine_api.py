@@ -36,6 +36,11 @@ class ModelEngine(Protocol):
         """Ready what requests need beyond the model (vLLM's server app)."""
         ...
 
+    def describe_tokenizer(self) -> tuple[str, str, dict[str, str]] | None:
+        """Its tokenizer's JSON, the chat template it applies and the special tokens
+        that template names; None if it has no fast tokenizer."""
+        ...
+
     def engine_priority(self, priority: int) -> int:
         """The priority a request the gateway sent with ``priority`` runs at."""
         ...

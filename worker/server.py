@@ -157,7 +157,28 @@ class WorkerServer:
             elif isinstance(message, protocol.Abort):
                 for request_id in message.request_ids:
                     self.cancel(identity, request_id, "its gateway asked")
+            elif isinstance(message, protocol.Describe):
+                self._describe(identity, message.model)
             # Ping only refreshes last_seen.
+
+    def _describe(self, identity: Identity, model: str) -> None:
+        """The model's tokenizer, for a gateway that routes by the engine's cache."""
+        if model not in self.engine.served_model_names:
+            return
+        described = self.engine.describe_tokenizer()
+        if described is None:
+            log.info("a gateway asked for the tokenizer, which this engine cannot give")
+            return
+        tokenizer_json, chat_template, special_tokens = described
+        self.send(
+            identity,
+            protocol.Tokenizer(
+                model=model,
+                tokenizer_json=tokenizer_json,
+                chat_template=chat_template,
+                special_tokens=special_tokens,
+            ),
+        )
 
     def _start(self, identity: Identity, message: protocol.Generate) -> None:
         key = (identity, message.request_id)

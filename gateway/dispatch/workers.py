@@ -25,6 +25,7 @@ from prometheus_client import Gauge
 
 from gateway import metrics
 from gateway.dispatch.kv_events import KvEvents
+from gateway.dispatch.tokens import PromptTokenizer
 from gateway.dispatch.transport import LinkEvents, WorkerLink
 from shared import curve_keys, protocol
 from shared.settings import LinkSettings
@@ -120,6 +121,10 @@ class Workers:
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         # What each worker's engine holds in its prefix cache, from its KV events.
         self.kv = KvEvents(self.ctx)
+        # Per model, its prompts' token ids as its engines see them (asked of
+        # the workers that publish KV events: routing by cache needs them).
+        self.tokenizers: dict[str, PromptTokenizer] = {}
+        self._described: set[tuple[str, str]] = set()
         self._curve = curve_keys.gateway_curve(settings)  # None: plaintext links
         self._link_events = LinkEvents(self._dispatch, self._on_disconnect, self._on_connect)
         self._events = events
@@ -183,6 +188,8 @@ class Workers:
             worker = self.by_address.get(link.address)
             if worker is not None and worker.link is link:
                 self.on_heartbeat(worker, message)
+        elif isinstance(message, protocol.Tokenizer):
+            self._tokenizer(link.address, message)
         else:
             self._events.worker_output(link, message)
 
@@ -233,6 +240,8 @@ class Workers:
         worker.chat_parser = beat.chat_parser
         worker.reasoning_parser = beat.reasoning_parser
         self.kv.heard(worker.address, beat.incarnation, beat.kv_events_port, beat.kv_block_size)
+        if beat.kv_events_port:
+            self._describe(worker, beat.models)
         # The worker's count includes this gateway's own requests, which
         # in_flight already knows exactly and at once: keep only the rest.
         worker.others = max(0, beat.running + beat.waiting - worker.in_flight)
@@ -245,6 +254,25 @@ class Workers:
         metrics.WORKER_KV_USAGE.labels(labels).set(beat.kv_cache_usage)
         if not was_healthy:
             self._events.worker_up()
+
+    def _describe(self, worker: Worker, models: list[str]) -> None:
+        """Ask ``worker`` for the tokenizer of each of its models this process lacks (once)."""
+        for model in models:
+            if model not in self.tokenizers and (worker.address, model) not in self._described:
+                self._described.add((worker.address, model))
+                worker.link.send(protocol.Describe(model=model))
+
+    def _tokenizer(self, address: str, described: protocol.Tokenizer) -> None:
+        if described.model in self.tokenizers:
+            return
+        try:
+            self.tokenizers[described.model] = PromptTokenizer(described)
+        except Exception as exc:  # a tokenizer or template this process cannot load
+            log.warning(
+                "worker %s's tokenizer for %s does not load here: %s", address, described.model, exc
+            )
+            return
+        log.info("tokenizing %s's prompts as worker %s's engine does", described.model, address)
 
     def _on_connect(self, link: WorkerLink) -> None:
         # The worker answers a gateway's first message with a heartbeat at once.
