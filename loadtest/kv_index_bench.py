@@ -13,8 +13,10 @@ Three figures, in this process, no network:
 * **memory**: bytes the index holds per block indexed, at ``--blocks``
   blocks over the workers (``tracemalloc``);
 * **match**: the routing lookup for a ``--prompt-tokens`` (2,000) prompt,
-  its block keys and the walk over the index, p50 and p99 (tokenizing the
-  prompt is not in it).
+  its block keys and the walk over the index, p50 and p99;
+* **tokenize**: a chat of about ``--prompt-tokens`` tokens rendered with the
+  embedded model's chat template and tokenized as the gateway does
+  (``gateway.dispatch.tokens``), p50 and p99, when the model is converted.
 
 Writes ``summary.json`` under ``loadtest/results/<time>-kv-index/``.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
+import json
 import random
 import statistics
 import time
@@ -176,6 +179,43 @@ def match(args: argparse.Namespace) -> dict[str, float]:
     }
 
 
+def tokenize(args: argparse.Namespace) -> dict[str, float] | None:
+    """The gateway's tokenizing of a chat of about ``--prompt-tokens`` tokens."""
+    from gateway.dispatch.tokens import PromptTokenizer
+    from shared import protocol
+    from shared.embedded import default_model_dir
+
+    directory = default_model_dir()
+    if not (directory / "tokenizer.json").is_file():
+        return None
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    template_file = directory / "chat_template.jinja"
+    template = template_file.read_text() if template_file.is_file() else config["chat_template"]
+    special = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
+    tokenizer = PromptTokenizer(
+        protocol.Tokenizer("m", (directory / "tokenizer.json").read_text(), template, special)
+    )
+    rng = random.Random(17)
+    words = ["lighthouse", "keeper", "ship", "storm", "harbour", "night", "lamp", "sea"]
+    document = " ".join(rng.choice(words) for _ in range(args.prompt_tokens))
+    messages = [
+        {"role": "system", "content": f"Answer from this document.\n{document}"},
+        {"role": "user", "content": "Who kept the lamp?"},
+    ]
+    tokens = len(tokenizer.chat(messages))
+    times = []
+    for _ in range(max(20, args.match_runs // 10)):
+        started = time.perf_counter_ns()
+        tokenizer.chat(messages)
+        times.append((time.perf_counter_ns() - started) / 1000)
+    times.sort()
+    return {
+        "prompt_tokens": tokens,
+        "p50_us": round(statistics.median(times), 1),
+        "p99_us": round(times[int(len(times) * 0.99) - 1], 1),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=32)
@@ -194,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
         "absorbed": absorbed(args),
         "memory": memory(args),
         "match": match(args),
+        "tokenize": tokenize(args),
     }
     out = results_dir("kv-index", started)
     write_json(out / "summary.json", report)
@@ -207,6 +248,12 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.workers} workers: p50 {k['p50_us']} us, p99 {k['p99_us']} us\n"
         f"written to {out}"
     )
+    t = report["tokenize"]
+    if t is not None:
+        print(
+            f"tokenize, a {t['prompt_tokens']}-token chat: "
+            f"p50 {t['p50_us']} us, p99 {t['p99_us']} us"
+        )
 
 
 if __name__ == "__main__":

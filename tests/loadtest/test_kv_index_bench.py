@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from loadtest import kv_index_bench
 
 ARGS = argparse.Namespace(
@@ -34,3 +36,11 @@ def test_match_walks_the_prompts_blocks() -> None:
     match = kv_index_bench.match(ARGS)
     assert match["blocks"] == ARGS.prompt_tokens // ARGS.block_size
     assert 0 < match["p50_us"] <= match["p99_us"]
+
+
+def test_tokenize_renders_a_chat_of_about_the_size_asked() -> None:
+    tokenized = kv_index_bench.tokenize(ARGS)
+    if tokenized is None:
+        pytest.skip("the embedded model is not converted")
+    assert tokenized["prompt_tokens"] >= ARGS.prompt_tokens
+    assert 0 < tokenized["p50_us"] <= tokenized["p99_us"]
