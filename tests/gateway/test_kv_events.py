@@ -4,10 +4,11 @@ publisher (framed as vLLM's: topic, sequence number, msgpack batch) into the ind
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import msgspec
 import pytest
+import pytest_asyncio
 import zmq
 
 from gateway import metrics
@@ -49,62 +50,53 @@ def stored(hashes: list[int], parent: int | None, tokens: list[int]) -> wire.Blo
     return wire.BlockStored(hashes, parent, tokens, 4)
 
 
-async def publish_until_read(kv: KvEvents, publisher: Publisher, event: object) -> None:
-    """A SUB socket misses what is sent before it has joined: send until it reads."""
-    async with asyncio.timeout(30):
-        while kv.index.blocks_of(ADDRESS) == 0:
-            publisher.publish(event)
-            await asyncio.sleep(0.05)
+@pytest_asyncio.fixture(loop_scope="function")
+async def subscribed(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> AsyncIterator[tuple[Publisher, KvEvents]]:
+    """A worker's publisher, and a process subscribed to it that has read its first block."""
+    publisher = Publisher(ctx)
+    kv = KvEvents(ctx)
+    kv.heard(ADDRESS, "first", publisher.port, 4)
+    try:
+        # A SUB socket misses what is sent before it has joined: send until it reads.
+        async with asyncio.timeout(30):
+            while kv.index.blocks_of(ADDRESS) == 0:
+                publisher.publish(stored([1], None, TOKENS[:4]))
+                await asyncio.sleep(0.05)
+        yield publisher, kv
+    finally:
+        kv.close()
+        publisher.sock.close(linger=0)
 
 
 async def test_a_workers_events_fill_the_index_and_a_restart_empties_it(
-    ctx: zmq.Context[zmq.Socket[bytes]],
+    subscribed: tuple[Publisher, KvEvents],
 ) -> None:
-    publisher = Publisher(ctx)
-    kv = KvEvents(ctx)
-    try:
-        kv.heard(ADDRESS, "first", publisher.port, 4)
-        await publish_until_read(kv, publisher, stored([1], None, TOKENS[:4]))
-        publisher.publish(stored([2, 3], 1, TOKENS[4:12]))
-        await until(lambda: kv.index.blocks_of(ADDRESS) == 3)
-        assert kv.index.match(block_keys(TOKENS, 4)) == {ADDRESS: 3}
-        assert kv.block_size(ADDRESS) == 4
-        # The same incarnation again: nothing changes.
-        kv.heard(ADDRESS, "first", publisher.port, 4)
-        assert kv.index.blocks_of(ADDRESS) == 3
-        # A new incarnation: it restarted, its cache is empty.
-        kv.heard(ADDRESS, "second", publisher.port, 4)
-        assert kv.index.match(block_keys(TOKENS, 4)) == {}
-    finally:
-        kv.close()
-        publisher.sock.close(linger=0)
+    publisher, kv = subscribed
+    publisher.publish(stored([2, 3], 1, TOKENS[4:12]))
+    await until(lambda: kv.index.blocks_of(ADDRESS) == 3)
+    assert kv.index.match(block_keys(TOKENS, 4)) == {ADDRESS: 3}
+    assert kv.block_size(ADDRESS) == 4
+    # The same incarnation again: nothing changes.
+    kv.heard(ADDRESS, "first", publisher.port, 4)
+    assert kv.index.blocks_of(ADDRESS) == 3
+    # A new incarnation: it restarted, its cache is empty.
+    kv.heard(ADDRESS, "second", publisher.port, 4)
+    assert kv.index.match(block_keys(TOKENS, 4)) == {}
 
 
-async def test_missed_batches_are_counted(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
-    publisher = Publisher(ctx)
-    kv = KvEvents(ctx)
+async def test_missed_batches_are_counted(subscribed: tuple[Publisher, KvEvents]) -> None:
+    publisher, kv = subscribed
     gaps = metrics.KV_EVENTS_GAPS.labels(ADDRESS)
     before = gaps._value.get()
-    try:
-        kv.heard(ADDRESS, "first", publisher.port, 4)
-        await publish_until_read(kv, publisher, stored([1], None, TOKENS[:4]))
-        publisher.publish(stored([2], 1, TOKENS[4:8]), skip=5)
-        await until(lambda: kv.index.blocks_of(ADDRESS) == 2)
-        assert gaps._value.get() == before + 1
-    finally:
-        kv.close()
-        publisher.sock.close(linger=0)
+    publisher.publish(stored([2], 1, TOKENS[4:8]), skip=5)
+    await until(lambda: kv.index.blocks_of(ADDRESS) == 2)
+    assert gaps._value.get() == before + 1
 
 
-async def test_a_worker_that_leaves_leaves_nothing(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
-    publisher = Publisher(ctx)
-    kv = KvEvents(ctx)
-    try:
-        kv.heard(ADDRESS, "first", publisher.port, 4)
-        await publish_until_read(kv, publisher, stored([1], None, TOKENS[:4]))
-        kv.forget(ADDRESS)
-        assert kv.index.match(block_keys(TOKENS, 4)) == {}
-        assert kv.block_size(ADDRESS) == 0
-    finally:
-        kv.close()
-        publisher.sock.close(linger=0)
+async def test_a_worker_that_leaves_leaves_nothing(subscribed: tuple[Publisher, KvEvents]) -> None:
+    _, kv = subscribed
+    kv.forget(ADDRESS)
+    assert kv.index.match(block_keys(TOKENS, 4)) == {}
+    assert kv.block_size(ADDRESS) == 0
