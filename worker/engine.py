@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 from shared import protocol
@@ -171,6 +170,9 @@ class Engine:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is None:
             return None
+        from vllm.renderers.chat_utils import load_chat_template
+
+        # --chat-template (a file or the template itself), as vLLM's server loads it.
         template = load_chat_template(getattr(self.namespace, "chat_template", None))
         if template is None:
             template = getattr(self.tokenizer, "chat_template", None) or ""
@@ -292,16 +294,3 @@ def kv_events_port(config: Any) -> int:
         return int(endpoint.rsplit(":", 1)[1])
     except ValueError:
         return 0
-
-
-def load_chat_template(chosen: str | None) -> str | None:
-    """``--chat-template``: a file's text, or the template itself; None when not given."""
-    if not chosen:
-        return None
-    path = Path(chosen)
-    try:
-        if path.is_file():
-            return path.read_text(encoding="utf-8")
-    except OSError:
-        pass
-    return chosen

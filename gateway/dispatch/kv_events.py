@@ -73,9 +73,10 @@ class KvEvents:
     def forget(self, address: str) -> None:
         """The worker at ``address`` left (or restarted): nothing of it stays in the index."""
         sub = self._subscriptions.pop(address, None)
-        if sub is not None:
-            sub.reader.stop()
-            sub.sock.close(linger=0)
+        if sub is None:
+            return  # it never published: nothing of it is indexed
+        sub.reader.stop()
+        sub.sock.close(linger=0)
         self.index.drop(address)
         metrics.KV_INDEX_BLOCKS.labels(address).set(0)
 
