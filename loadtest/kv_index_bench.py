@@ -14,9 +14,13 @@ Three figures, in this process, no network:
   blocks over the workers (``tracemalloc``);
 * **match**: the routing lookup for a ``--prompt-tokens`` (2,000) prompt,
   its block keys and the walk over the index, p50 and p99;
-* **tokenize**: a chat of about ``--prompt-tokens`` tokens rendered with the
-  embedded model's chat template and tokenized as the gateway does
-  (``gateway.dispatch.tokens``), p50 and p99, when the model is converted.
+* **decision**: the kv policy's whole choice (``gateway.dispatch.policies.kv_cache``)
+  for a chat of about ``--prompt-tokens`` tokens, a document and a question,
+  over ``--workers`` workers each holding part of the document: rendering with
+  the embedded model's chat template, tokenizing as the gateway does, block
+  keys, the index walk, the choice; p50 and p99 with the document seen before
+  (a new question each time) and with a new document each time, when the
+  model is converted.
 
 Writes ``summary.json`` under ``loadtest/results/<time>-kv-index/``.
 """
@@ -32,6 +36,7 @@ import statistics
 import time
 import tracemalloc
 from datetime import UTC, datetime
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -179,8 +184,8 @@ def match(args: argparse.Namespace) -> dict[str, float]:
     }
 
 
-def tokenize(args: argparse.Namespace) -> dict[str, float] | None:
-    """The gateway's tokenizing of a chat of about ``--prompt-tokens`` tokens."""
+def _prompt_tokenizer() -> Any:
+    """The embedded model's tokenizer as the gateway builds it (None: not converted)."""
     from gateway.dispatch.tokens import PromptTokenizer
     from shared import protocol
     from shared.embedded import default_model_dir
@@ -192,28 +197,78 @@ def tokenize(args: argparse.Namespace) -> dict[str, float] | None:
     template_file = directory / "chat_template.jinja"
     template = template_file.read_text() if template_file.is_file() else config["chat_template"]
     special = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
-    tokenizer = PromptTokenizer(
+    return PromptTokenizer(
         protocol.Tokenizer("m", (directory / "tokenizer.json").read_text(), template, special)
     )
+
+
+def decision(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The kv policy's whole choice for a chat of about ``--prompt-tokens`` tokens (a
+    document and a question) over ``--workers`` workers, each holding a different
+    share of the document: rendering, tokenizing, block keys, the index walk and
+    the choice. ``warm``: the document seen before, a new question each time (its
+    pieces' ids kept); ``cold``: a new document each time."""
+    from gateway.dispatch.policies import RoutingContext
+    from gateway.dispatch.policies.kv_cache import CacheAware
+    from gateway.dispatch.policies.prefix import PrefixAffinity
+    from gateway.dispatch.work import WorkOrder
+    from gateway.dispatch.workers import Worker
+
+    tokenizer = _prompt_tokenizer()
+    if tokenizer is None:
+        return None
     rng = random.Random(17)
     words = ["lighthouse", "keeper", "ship", "storm", "harbour", "night", "lamp", "sea"]
-    document = " ".join(rng.choice(words) for _ in range(args.prompt_tokens))
-    messages = [
-        {"role": "system", "content": f"Answer from this document.\n{document}"},
-        {"role": "user", "content": "Who kept the lamp?"},
+
+    def chat(document: str, question: str) -> list[dict[str, str]]:
+        return [
+            {"role": "system", "content": f"Answer from this document.\n{document}"},
+            {"role": "user", "content": question},
+        ]
+
+    def document() -> str:
+        return " ".join(rng.choice(words) for _ in range(args.prompt_tokens))
+
+    size = args.block_size
+    index = KvIndex()
+    workers = [
+        Worker(link=SimpleNamespace(address=f"tcp://10.0.{w // 250}.{w % 250}:5550"))  # type: ignore[arg-type]
+        for w in range(args.workers)
     ]
-    tokens = len(tokenizer.chat(messages))
-    times = []
-    for _ in range(max(20, args.match_runs // 10)):
-        started = time.perf_counter_ns()
-        tokenizer.chat(messages)
-        times.append((time.perf_counter_ns() - started) / 1000)
-    times.sort()
-    return {
-        "prompt_tokens": tokens,
-        "p50_us": round(statistics.median(times), 1),
-        "p99_us": round(times[int(len(times) * 0.99) - 1], 1),
-    }
+    kv = SimpleNamespace(index=index, block_size=lambda address: size)
+    policy = CacheAware(
+        SimpleNamespace(kv=kv, tokenizers={"m": tokenizer}),  # type: ignore[arg-type]
+        PrefixAffinity(),
+    )
+    shared = document()
+    tokens = list(tokenizer.chat_ids(chat(shared, "Who kept the lamp?"))[0])
+    blocks = len(tokens) // size
+    for n, worker in enumerate(workers):
+        held = rng.randrange(blocks + 1)
+        if held:
+            hashes = list(range(n * 100_000 + 1, n * 100_000 + held + 1))
+            event = BlockStored(hashes, None, tokens[: held * size], size)
+            index.apply(worker.address, EventBatch(0.0, [event]))
+
+    def timed(messages: list[list[dict[str, str]]]) -> dict[str, float]:
+        times = []
+        for i, conversation in enumerate(messages):
+            order = WorkOrder(f"r{i}", "chat", "m", {"messages": conversation})
+            context = RoutingContext(workers, None, "m", order)
+            started = time.perf_counter_ns()
+            policy.select(context)
+            times.append((time.perf_counter_ns() - started) / 1000)
+        times.sort()
+        return {
+            "runs": len(times),
+            "p50_us": round(statistics.median(times), 1),
+            "p99_us": round(times[max(0, int(len(times) * 0.99) - 1)], 1),
+        }
+
+    runs = max(20, args.match_runs // 4)
+    cold = timed([chat(document(), "Who kept the lamp?") for _ in range(max(10, runs // 10))])
+    warm = timed([chat(shared, f"Question {i}: who kept the lamp?") for i in range(runs)])
+    return {"prompt_tokens": len(tokens), "warm": warm, "cold": cold}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -234,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
         "absorbed": absorbed(args),
         "memory": memory(args),
         "match": match(args),
-        "tokenize": tokenize(args),
+        "decision": decision(args),
     }
     out = results_dir("kv-index", started)
     write_json(out / "summary.json", report)
@@ -248,11 +303,13 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.workers} workers: p50 {k['p50_us']} us, p99 {k['p99_us']} us\n"
         f"written to {out}"
     )
-    t = report["tokenize"]
-    if t is not None:
+    d = report["decision"]
+    if d is not None:
+        w, c = d["warm"], d["cold"]
         print(
-            f"tokenize, a {t['prompt_tokens']}-token chat: "
-            f"p50 {t['p50_us']} us, p99 {t['p99_us']} us"
+            f"kv routing decision, a {d['prompt_tokens']}-token chat over {args.workers} "
+            f"workers: document seen p50 {w['p50_us']} us, p99 {w['p99_us']} us; "
+            f"new document p50 {c['p50_us']} us, p99 {c['p99_us']} us"
         )
 
 

@@ -193,17 +193,25 @@ class RoutingSettings(Settings):
             "between pools; empty = route by the model names workers serve"
         ),
     ] = ""
-    policy: Annotated[str, _help("routing policy: least-load, prefix or round-robin")] = (
-        "least-load"
-    )
+    policy: Annotated[
+        str,
+        _help(
+            "routing policy: least-load, prefix, round-robin, or kv (by the engines' KV "
+            "cache events: workers run with --kv-events-config)"
+        ),
+    ] = "least-load"
     prefix_load_factor: Annotated[
-        float, _help("prefix policy: most load one worker may take, as a multiple of the mean")
+        float,
+        _help(
+            "prefix and kv policies (and hinted requests): most load one worker may take, "
+            "as a multiple of the mean"
+        ),
     ] = 1.25
     prefix_load_slack: Annotated[
         int,
         _help(
-            "prefix policy: requests over the mean load that a worker may always take for "
-            "a conversation it holds (the load factor may allow more)"
+            "prefix and kv policies: requests over the mean load that a worker may always "
+            "take for a conversation it holds (the load factor may allow more)"
         ),
     ] = 4
     prefix_chars: Annotated[

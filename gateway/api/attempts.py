@@ -98,6 +98,8 @@ class Attempts:
     band: int = 0
     # The API key's id: admission shares slots fairly between keys.
     tenant: str | None = None
+    # Whether ``key`` is the client's hint (every policy honours it).
+    hinted: bool = False
     # The latest attempt's handle: what the engine computed for it.
     handle: RequestHandle | None = None
 
@@ -164,6 +166,7 @@ class Attempts:
                 span.headers(),
                 self.band,
                 self.tenant,
+                self.hinted,
             )
             queued = (lambda: span.event("queued")) if span.on else None
             handle = await self.pool.submit(order, retries.tried, queued)

@@ -45,6 +45,14 @@ from shared import protocol
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = b"x-session-id"
+
+
+def _cache_key(raw: dict[str, Any]) -> str | None:
+    """OpenAI's ``prompt_cache_key``: requests sharing one share a prefix."""
+    value = raw.get("prompt_cache_key")
+    return value if isinstance(value, str) and value else None
+
+
 # The band an answer ran in, when not the first.
 BAND_NAME = BAND_HEADER.decode()
 
@@ -104,10 +112,13 @@ class Call:
         self.band = self.context.band
 
     async def serve(self, key_of: Callable[[int], str]) -> Response:
-        key = None
-        if self.pool.uses_key:
-            session = header(self.request, SESSION_HEADER) or self.body.user
-            key = session if session else key_of(self.settings.routing.prefix_chars)
+        # A client's hint keeps its requests together under every policy;
+        # without one, the prefix and kv policies key a request by its user or
+        # its conversation's start.
+        key = header(self.request, SESSION_HEADER) or _cache_key(self.raw)
+        hinted = bool(key)
+        if not key and self.pool.uses_key:
+            key = self.body.user or key_of(self.settings.routing.prefix_chars)
         # Until the response starts, a client that leaves cancels this task:
         # waiting in the queue, for its worker, or for the first token.
         watch = DisconnectWatch(self.request)
@@ -143,7 +154,7 @@ class Call:
                 if hit is not None:
                     self.account.finish(200, self.cached.usage, cached=True)
                     return hit
-            attempts = self.attempts = self._attempts(key)
+            attempts = self.attempts = self._attempts(key, hinted)
             if self.body.stream:
                 return await self._start_stream(attempts, self.target)
             return await self._complete(attempts, self.target)
@@ -168,13 +179,14 @@ class Call:
         """What the engine computed for the request's last attempt, so far."""
         return self.attempts.computed() if self.attempts is not None else None
 
-    def _attempts(self, key: str | None) -> Attempts:
+    def _attempts(self, key: str | None, hinted: bool = False) -> Attempts:
         return Attempts(
             pool=self.pool,
             request_id=self.request_id,
             kind=self.kind,
             deadline=self.deadline,
             key=key,
+            hinted=hinted,
             builder=self.builder,
             span=self.account.span,
             max_retries=self.settings.routing.max_retries,

@@ -126,7 +126,7 @@ class Admission:
         on_queued: Callable[[], object] | None,
         tenant: Tenant,
     ) -> tuple[Worker, Tier]:
-        target, key, deadline = order.pools, order.key, order.deadline
+        target = order.pools
         low_priority = order.band == BATCH
         # No healthy worker at all: wait up to --startup-timeout for one, then 503.
         if not self.workers.any_healthy and not await self.workers.wait_for_any():
@@ -141,7 +141,7 @@ class Admission:
             tried = target.tiers[0]
             queue = self._pools.get(tried.label)  # not made here: the tier may not exist
             if queue is None or not queue.queued:
-                chosen = self._take(tried, key, exclude)
+                chosen = self._take(tried, order, exclude)
                 if chosen is not None:
                     self.fair.charge(tenant)
                     return chosen
@@ -149,15 +149,15 @@ class Admission:
         home = tiers[0]
         home_queue = self.pool(home)
         if low_priority:
-            chosen = self._take_spare(home, key, exclude)
+            chosen = self._take_spare(home, order, exclude)
             if chosen is not None:
                 self.fair.charge(tenant)
                 return chosen
             if on_queued is not None:
                 on_queued()
-            return await self._wait_low(home, key, deadline, exclude, tenant)
+            return await self._wait_low(home, order, exclude, tenant)
         if not home_queue.queued and home is not tried:  # else those first
-            chosen = self._take(home, key, exclude)
+            chosen = self._take(home, order, exclude)
             if chosen is not None:
                 self.fair.charge(tenant)
                 return chosen
@@ -165,7 +165,7 @@ class Admission:
         # one that would wait at least that long starts at once on a later tier.
         spill_after = home.spill_after if len(tiers) > 1 else None
         if spill_after is not None and self.expected_wait(home) >= spill_after:
-            chosen = self._spill(tiers, key, exclude)
+            chosen = self._spill(tiers, order, exclude)
             if chosen is not None:
                 self.fair.charge(tenant)
                 return chosen
@@ -186,7 +186,7 @@ class Admission:
     ) -> tuple[Worker, Tier]:
         """Queue in the order's band's line for the home pool (and, after
         ``spill_after``, the later tiers')."""
-        key, deadline, band = order.key, order.deadline, order.band
+        deadline, band = order.deadline, order.band
         wait = self.settings.queue_timeout
         if deadline:
             wait = min(wait, deadline - time.time())
@@ -214,9 +214,9 @@ class Admission:
                 # Woken first: the slot it was woken for is taken before any
                 # spill-over, or that slot would stay free with nobody told.
                 if waiter.done():
-                    chosen = self._take(home, key, exclude)
+                    chosen = self._take(home, order, exclude)
                     if chosen is None and spilling:
-                        chosen = self._spill(tiers, key, exclude)
+                        chosen = self._spill(tiers, order, exclude)
                     if chosen is not None:
                         return chosen
                     # Woken, but the slot went elsewhere (or was a general
@@ -231,7 +231,7 @@ class Admission:
                 if not spilling and spill_at is not None and now >= spill_at:
                     # Waited long enough: a later tier's slot will do too.
                     spilling = True
-                    chosen = self._spill(tiers, key, exclude)
+                    chosen = self._spill(tiers, order, exclude)
                     if chosen is not None:
                         return chosen
                     for tier in tiers[1:]:
@@ -259,8 +259,7 @@ class Admission:
     async def _wait_low(
         self,
         home: Tier,
-        key: str | None,
-        deadline: float,
+        order: WorkOrder,
         exclude: Collection[str],
         tenant: Tenant,
     ) -> tuple[Worker, Tier]:
@@ -268,6 +267,7 @@ class Admission:
         a freed slot wakes it only when no interactive request waits there. It
         waits until its deadline, not ``--queue-timeout``, and outside
         ``--max-queue``, so a batch never makes an interactive request a 429."""
+        deadline = order.deadline
         queue = self.pool(home)
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
@@ -277,7 +277,7 @@ class Admission:
         try:
             while True:
                 if waiter.done():
-                    chosen = self._take_spare(home, key, exclude)
+                    chosen = self._take_spare(home, order, exclude)
                     if chosen is not None:
                         return chosen
                     self.fair.refund(tenant)
@@ -314,7 +314,7 @@ class Admission:
             self.wake_pools(tiers)
 
     def _take_spare(
-        self, tier: Tier, key: str | None, exclude: Collection[str]
+        self, tier: Tier, order: WorkOrder, exclude: Collection[str]
     ) -> tuple[Worker, Tier] | None:
         """A free slot of ``tier`` for a low-priority request: only one that no
         interactive request queued for the pool will need."""
@@ -322,7 +322,7 @@ class Admission:
         spare = sum(self.slots.capacity_of(w) - w.in_flight for w in free)
         if spare <= self.pool(tier).queued:
             return None
-        return self.policy.select(RoutingContext(free, key)), tier
+        return self.policy.select(RoutingContext(free, order.key, tier.model, order)), tier
 
     def capacity(self) -> int:
         """Slots of the healthy workers, all pools together."""
@@ -333,16 +333,16 @@ class Admission:
         return self.slots.serves(tier)
 
     def _take(
-        self, tier: Tier, key: str | None, exclude: Collection[str]
+        self, tier: Tier, order: WorkOrder, exclude: Collection[str]
     ) -> tuple[Worker, Tier] | None:
         """A free worker of ``tier``, chosen by the policy; None if none."""
         free = self.slots.free(tier, exclude)
         if not free:
             return None
-        return self.policy.select(RoutingContext(free, key)), tier
+        return self.policy.select(RoutingContext(free, order.key, tier.model, order)), tier
 
     def _spill(
-        self, tiers: list[Tier], key: str | None, exclude: Collection[str]
+        self, tiers: list[Tier], order: WorkOrder, exclude: Collection[str]
     ) -> tuple[Worker, Tier] | None:
         for tier in tiers[1:]:
             free = self.slots.free(tier, exclude)
@@ -351,7 +351,7 @@ class Admission:
                 log.debug(
                     "spill-over: %s is full, %s takes the request", tiers[0].label, tier.label
                 )
-                return self.policy.select(RoutingContext(free, key)), tier
+                return self.policy.select(RoutingContext(free, order.key, tier.model, order)), tier
         return None
 
     def expected_wait(self, tier: Tier) -> float:

@@ -77,9 +77,6 @@ class Pool:
     ) -> None:
         link = link or LinkSettings()
         routing = routing or RoutingSettings()
-        self._policy = policy or make_policy(
-            routing.policy, routing.prefix_load_factor, routing.prefix_load_slack
-        )
         # Model names, aliases, auto, pools and tiers (--config).
         self.names = models if models is not None else Models.from_file(routing.config)
         self.gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
@@ -87,6 +84,9 @@ class Pool:
         # The workers tell the pool what happens to them (WorkerEvents below).
         self.workers = Workers(
             link, self.gateway_id, events=self, pool_of_address=self.names.pool_of_address()
+        )
+        self._policy = policy or make_policy(
+            routing.policy, routing.prefix_load_factor, routing.prefix_load_slack, self.workers
         )
         self.admission = Admission(admission or AdmissionSettings(), self.workers, self._policy)
         self.discovery = Discovery(

@@ -41,6 +41,9 @@ class WorkOrder(msgspec.Struct, frozen=True):
     band: int = protocol.INTERACTIVE
     # The API key's id: admission shares slots between keys and charges this one.
     tenant: str | None = None
+    # Whether ``key`` is the client's hint (X-Session-Id, prompt_cache_key):
+    # every policy honours it.
+    hinted: bool = False
 
     @property
     def low_priority(self) -> bool:

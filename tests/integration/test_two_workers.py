@@ -13,6 +13,7 @@ import json
 import re
 import signal
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,12 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from shared.ports import free_port_range
 from tests.conftest import (
     MODEL,
     STARTUP_TIMEOUT,
     Served,
+    kv_events_config,
     launch_serve,
     launched_ahead,
     module_system,
@@ -34,7 +37,7 @@ from tests.conftest import (
 )
 from tests.harness import prestart
 from tests.integration.streams import Stream, read_stream
-from tests.integration.test_pool import metric, metric_reaches, value_in
+from tests.integration.test_pool import metric, metric_reaches, value_in, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +47,9 @@ SYSTEM_FIXTURE = "two"
 
 
 def launch_system(directory: Path) -> prestart.Launched:
-    running = launch_serve(directory / "serve.log", num_workers=2)
+    # Their engines publish KV cache events (the kv policy's), one port each.
+    events = kv_events_config(free_port_range(2))
+    running = launch_serve(directory / "serve.log", "--kv-events-config", events, num_workers=2)
     return launched_ahead(running)
 
 
@@ -76,13 +81,21 @@ def prefix_gateway(two: Served, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 @pytest.fixture(scope="module")
+def kv_gateway(two: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    yield from steady_gateway(two, tmp_path_factory, "kv")
+
+
+@pytest.fixture(scope="module")
 def least_load_gateway(two: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     yield from steady_gateway(two, tmp_path_factory, "least-load")
 
 
-async def post_many(base_url: str, bodies: list[dict]) -> list[httpx.Response]:
-    async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
-        return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+async def post_many(
+    base_url: str, bodies: list[dict], headers: dict[str, str] | None = None, chat: bool = False
+) -> list[httpx.Response]:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    async with httpx.AsyncClient(base_url=base_url, timeout=120, headers=headers) as client:
+        return await asyncio.gather(*(client.post(path, json=b) for b in bodies))
 
 
 def served_by(responses: list[httpx.Response]) -> collections.Counter[str]:
@@ -95,6 +108,58 @@ def test_requests_land_on_both_workers(two: Served, least_load_gateway: Served) 
     counts = served_by(asyncio.run(post_many(least_load_gateway.base_url, bodies)))
     assert set(counts) == set(two.worker_addresses(2).split(","))
     assert min(counts.values()) >= 4  # least-load spreads them, not 15 to 1
+
+
+def test_a_session_hint_keeps_requests_together_under_least_load(
+    least_load_gateway: Served,
+) -> None:
+    # Sent at once, least-load would spread them (the test above); a client's
+    # hint, the X-Session-Id header or OpenAI's prompt_cache_key, keeps them
+    # on one worker under every policy.
+    session = uuid.uuid4().hex
+    bodies = [{"model": MODEL, "prompt": f"Turn {i}:", "max_tokens": 8} for i in range(6)]
+    by_header = asyncio.run(
+        post_many(least_load_gateway.base_url, bodies, {"x-session-id": session})
+    )
+    assert len(served_by(by_header)) == 1
+    keyed = [{**body, "prompt_cache_key": f"{session}-b"} for body in bodies]
+    assert len(served_by(asyncio.run(post_many(least_load_gateway.base_url, keyed)))) == 1
+
+
+# About 900 tokens: many full blocks whatever the engines' block size.
+DOCUMENT = " ".join(
+    f"Clause {i}: the tenant of unit {i} pays {i * 7} credits a month." for i in range(60)
+)
+
+
+def kv_blocks(gateway: Served, worker: str) -> float:
+    return metric(gateway.base_url, "llmgate_kv_index_blocks", worker=worker) or 0
+
+
+def test_kv_policy_sends_a_documents_questions_where_it_is_cached(
+    two: Served, kv_gateway: Served
+) -> None:
+    document = f"{uuid.uuid4().hex} {DOCUMENT}"
+
+    def ask(question: str) -> dict[str, Any]:
+        messages = [
+            {"role": "system", "content": document},
+            {"role": "user", "content": question},
+        ]
+        return {"model": MODEL, "messages": messages, "max_tokens": 1}
+
+    before = {w: kv_blocks(kv_gateway, w) for w in two.worker_addresses(2).split(",")}
+    (first,) = asyncio.run(post_many(kv_gateway.base_url, [ask("Who pays most?")], chat=True))
+    (holder,) = served_by([first])
+    # Its engine computed the document and said so: the gateway's index of
+    # that worker grows by the document's blocks (waited for, not slept on).
+    blocks = first.json()["usage"]["prompt_tokens"] // 128
+    wait_for(lambda: kv_blocks(kv_gateway, holder) >= before[holder] + blocks, 60)
+    # Different questions, sent at once: prefix keys them apart and least-load
+    # spreads them; the kv policy sends each where the document is cached.
+    questions = [ask(f"What does unit {i} pay?") for i in range(6)]
+    answers = asyncio.run(post_many(kv_gateway.base_url, questions, chat=True))
+    assert served_by(answers) == {holder: len(questions)}
 
 
 SHARED = "You are a meticulous assistant who answers in one short sentence. " * 4

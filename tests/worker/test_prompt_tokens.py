@@ -63,3 +63,24 @@ def test_a_completions_prompt_tokenizes_as_hugging_faces(
 ) -> None:
     prompt = "Once upon a time, in a lighthouse,"
     assert tokenizer.completion(prompt) == reference(prompt)["input_ids"]
+
+
+def test_a_chats_start_tokenizes_as_its_whole_and_kept_pieces_reach_further(
+    tokenizer: PromptTokenizer, reference: Any
+) -> None:
+    # Routing reads a prompt unseen before only as far as a few fresh characters.
+    document = " ".join(f"Paragraph {i} of a never-seen report." for i in range(300))
+    messages = [
+        {"role": "system", "content": document},
+        {"role": "user", "content": "What does paragraph 7 say?"},
+    ]
+    text = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    whole = reference(text, add_special_tokens=False)["input_ids"]
+    start, cut = tokenizer.chat_ids(messages, fresh=500)
+    assert cut and 100 < len(start) < len(whole)
+    # All but the word the cut fell in are the whole's tokens.
+    assert list(start[:-3]) == whole[: len(start) - 3]
+    # Once the whole was read, its pieces are kept: a start reaches the end.
+    assert tokenizer.chat(messages) == whole
+    again, cut = tokenizer.chat_ids(messages, fresh=500)
+    assert not cut and list(again) == whole

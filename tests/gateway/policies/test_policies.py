@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
-from gateway.dispatch.policies import RoutingContext, load, make_policy
+from gateway.dispatch.policies import Hinted, RoutingContext, load, make_policy
 from gateway.dispatch.policies.least_load import LeastLoad
 from gateway.dispatch.policies.prefix import PrefixAffinity
 from gateway.dispatch.policies.round_robin import RoundRobin
+from gateway.dispatch.work import WorkOrder
 from gateway.dispatch.workers import Worker
 
 
@@ -108,12 +109,30 @@ def test_prefix_without_a_key_falls_back_to_least_load() -> None:
     assert PrefixAffinity().select(ctx(pool)) is pool[1]
 
 
-@pytest.mark.parametrize(
-    "name, cls",
-    [("least-load", LeastLoad), ("prefix", PrefixAffinity), ("round-robin", RoundRobin)],
-)
-def test_policies_by_name(name: str, cls: Any) -> None:
-    assert isinstance(make_policy(name, 1.25, 4), cls)
+@pytest.mark.parametrize("name, cls", [("least-load", LeastLoad), ("round-robin", RoundRobin)])
+def test_keyless_policies_by_name_honour_hints(name: str, cls: Any) -> None:
+    policy = make_policy(name, 1.25, 4)
+    assert isinstance(policy, Hinted)
+    assert isinstance(policy.policy, cls) and isinstance(policy.affinity, PrefixAffinity)
+
+
+def test_the_prefix_policy_by_name() -> None:
+    assert isinstance(make_policy("prefix", 1.25, 4), PrefixAffinity)
+
+
+@pytest.mark.parametrize("name", ["least-load", "round-robin"])
+def test_a_hinted_request_keeps_to_its_worker_under_keyless_policies(name: str) -> None:
+    pool = workers(4)
+    policy = make_policy(name, 1.25, 4)
+    hinted = WorkOrder("r", "chat", "m", {}, key="session-7", hinted=True)
+    first = policy.select(RoutingContext(pool, "session-7", "m", hinted))
+    first.in_flight += 1  # still within the bound: it stays
+    assert all(
+        policy.select(RoutingContext(pool, "session-7", "m", hinted)) is first for _ in range(8)
+    )
+    # Unhinted requests are the policy's own: they spread.
+    plain = WorkOrder("s", "chat", "m", {})
+    assert len({policy.select(RoutingContext(pool, None, "m", plain)).key for _ in range(40)}) > 1
 
 
 def test_unknown_policy_is_refused() -> None:

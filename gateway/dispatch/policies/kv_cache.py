@@ -1,0 +1,159 @@
+"""Cache-aware routing (``kv``): a request goes where its prompt is already cached.
+
+The prompt's token ids, as the engine will see them (the chat template
+applied: ``gateway.dispatch.tokens``), are cut into blocks of each worker's
+block size and keyed as the index keys the engines' KV events
+(``gateway.dispatch.kv_index``), which then says how many leading blocks of
+the prompt each engine holds. Among the workers within the prefix policy's
+load bound (``PrefixAffinity.bound``: a hot prefix spreads rather than piles
+onto one engine), the one holding the most prompt tokens takes it; ties go to
+the less loaded, then by rendezvous hashing, alike in every replica.
+
+Where no worker within the bound holds any of it, the request is placed like a
+new ``prefix`` key: the client's hint if it gave one, else the prompt's
+leading blocks (so a document's first questions, sent before any event says
+where it went, land together). A placement is remembered with the worker's
+incarnation: a worker that restarted holds nothing, and is not chosen for
+what it held before. Requests it cannot tokenize (a model whose tokenizer
+no worker sent, an adapter's, vLLM's own routes) or that reach workers with
+no KV events are ``prefix``'s.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from gateway.dispatch.kv_index import block_keys
+from gateway.dispatch.policies import CacheView, RoutingContext, load
+from gateway.dispatch.policies.prefix import REMEMBERED_KEYS, PrefixAffinity, score
+
+if TYPE_CHECKING:
+    from gateway.dispatch.tokens import PromptTokenizer
+    from gateway.dispatch.workers import Worker
+
+log = logging.getLogger(__name__)
+
+# Leading blocks that name a prompt's placement when nothing of it is cached:
+# at vLLM's 16 tokens a block, its first 128 tokens (a document, shared
+# instructions), not the question after them.
+PLACEMENT_BLOCKS = 8
+# Characters of a prompt tokenized afresh to see whether any engine holds its
+# start (about 450 tokens of English text): at least PLACEMENT_BLOCKS blocks.
+PROBE_CHARS = 2048
+
+
+class CacheAware:
+    uses_key = True
+
+    def __init__(self, caches: CacheView, affinity: PrefixAffinity) -> None:
+        self.caches = caches
+        self.affinity = affinity
+        # Placement key -> (worker address, its incarnation), oldest first.
+        self._placed: OrderedDict[str, tuple[str, str]] = OrderedDict()
+
+    def select(self, context: RoutingContext) -> Worker:
+        looked_up = self._look_up(context)
+        if looked_up is None:
+            return self.affinity.select(context)
+        held, placement = looked_up
+        if context.hinted and context.key is not None:
+            placement = context.key
+        bound = self.affinity.bound(context)
+        under = [w for w in context.candidates if load(w) + 1 <= bound]
+        if held and under:
+            best = max(
+                under,
+                key=lambda w: (held.get(w.address, 0), -load(w), score(placement, w.key)),
+            )
+            if held.get(best.address, 0):
+                return best
+        return self._place(under, placement, context)
+
+    def _look_up(self, context: RoutingContext) -> tuple[dict[str, int], str] | None:
+        """Prompt tokens each worker's engine holds (only those holding some), and the
+        prompt's placement key; None where the prompt cannot be read or no candidate
+        publishes events.
+
+        A prompt unseen by this process costs a tokenizing of ``PROBE_CHARS``
+        characters: the whole is tokenized only when some engine holds all of the
+        start read (no engine can hold more of a prompt than of its start)."""
+        order = context.order
+        if order is None:
+            return None
+        sizes = {self.caches.kv.block_size(w.address) for w in context.candidates} - {0}
+        tokenizer = self.caches.tokenizers.get(context.model)
+        if not sizes or tokenizer is None:
+            return None
+        start = prompt_tokens(tokenizer, order.kind, order.params, PROBE_CHARS)
+        if start is None:
+            return None
+        tokens, cut = start
+        index = self.caches.kv.index
+        held: dict[str, int] = {}
+        placement = ""
+        whole: Sequence[int] | None = None
+        for size in sorted(sizes):
+            # The word a cut falls in may tokenize otherwise than in the whole:
+            # the last block before the cut is left out.
+            keys = block_keys(tokens[: len(tokens) - size] if cut else tokens, size)
+            if not keys:
+                continue
+            placement = placement or f"kv:{keys[min(len(keys), PLACEMENT_BLOCKS) - 1]}"
+            found = index.match(keys)
+            if cut and found and max(found.values()) == len(keys):
+                if whole is None:
+                    rest = prompt_tokens(tokenizer, order.kind, order.params)
+                    whole = rest[0] if rest is not None else tokens
+                found = index.match(block_keys(whole, size))
+            for address, depth in found.items():
+                held[address] = max(held.get(address, 0), depth * size)
+        if not placement:
+            return None  # shorter than a block: nothing to find
+        return held, placement
+
+    def _place(self, under: list[Worker], key: str, context: RoutingContext) -> Worker:
+        """Nothing of the prompt is cached within the bound: its placement, or a new one."""
+        if not under:
+            return self.affinity.select(context)  # every worker at the bound
+        home = self._placed.get(key)
+        if home is not None:
+            for worker in under:
+                if (worker.address, worker.incarnation) == home:
+                    self._placed.move_to_end(key)
+                    return worker
+        chosen = min(under, key=lambda w: (load(w), -score(key, w.key)))
+        self._placed[key] = (chosen.address, chosen.incarnation)
+        self._placed.move_to_end(key)
+        if len(self._placed) > REMEMBERED_KEYS:
+            self._placed.popitem(last=False)
+        return chosen
+
+
+def prompt_tokens(
+    tokenizer: PromptTokenizer, kind: str, params: dict[str, Any], fresh: int | None = None
+) -> tuple[Sequence[int], bool] | None:
+    """The token ids the engine will compute for a request's (first) prompt, or for
+    its start, tokenizing at most ``fresh`` characters not seen before; and whether
+    it stops short of the whole. None where the gateway cannot tell."""
+    try:
+        if kind == "chat":
+            messages = params.get("messages")
+            if not isinstance(messages, list):
+                return None
+            return tokenizer.chat_ids(messages, params.get("tools"), fresh)
+        if kind == "completion":
+            prompt = params.get("prompt")
+            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+                prompt = prompt[0]  # a list of prompts: the first one's blocks
+            if isinstance(prompt, str):
+                return tokenizer.completion_ids(prompt, fresh)
+            if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+                return prompt, False  # token ids, as the engine takes them
+    # Routing must never fail a request: a prompt the gateway's renderer
+    # refuses is the engine's to judge, and routed as prefix routes it.
+    except Exception as exc:
+        log.debug("no token ids for routing: %s", exc)
+    return None

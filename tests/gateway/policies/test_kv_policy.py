@@ -1,0 +1,236 @@
+"""The kv policy (gateway/dispatch/policies/kv_cache.py): a request goes to the worker
+whose engine holds the most of its prompt, as the KV events say, within the load
+bound; what nothing holds is placed as prefix places a key. The prompts are the
+embedded model's, tokenized as a worker's tokenizer does; the events are what an
+engine publishes for them."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from gateway.dispatch.kv_index import BlockStored, EventBatch, KvIndex
+from gateway.dispatch.policies import RoutingContext
+from gateway.dispatch.policies.kv_cache import CacheAware
+from gateway.dispatch.policies.prefix import PrefixAffinity
+from gateway.dispatch.tokens import PromptTokenizer
+from gateway.dispatch.work import WorkOrder
+from gateway.dispatch.workers import Worker
+from shared import protocol
+from shared.embedded import default_model_dir
+
+BLOCK = 16
+MODEL = "m"
+_hashes = itertools.count(1)
+
+
+@pytest.fixture(scope="module")
+def reference() -> Any:
+    """The engine's tokenizer (Hugging Face's): what its KV events carry."""
+    return AutoTokenizer.from_pretrained(str(default_model_dir()))
+
+
+@pytest.fixture
+def tokenizer(reference: Any) -> PromptTokenizer:
+    """The gateway's, new for each test: it has tokenized no prompt yet."""
+    special = {k: v for k, v in reference.special_tokens_map.items() if isinstance(v, str)}
+    return PromptTokenizer(
+        protocol.Tokenizer(
+            model=MODEL,
+            tokenizer_json=reference.backend_tokenizer.to_str(),
+            chat_template=reference.chat_template,
+            special_tokens=special,
+        )
+    )
+
+
+class Fleet:
+    """Workers, the index their events fill, and the policy reading both."""
+
+    def __init__(
+        self,
+        tokenizer: PromptTokenizer | None,
+        n: int = 3,
+        block: int = BLOCK,
+        reference: Any = None,
+    ) -> None:
+        self.workers = [
+            Worker(link=SimpleNamespace(address=f"tcp://10.0.0.{i}:5550"))  # type: ignore[arg-type]
+            for i in range(n)
+        ]
+        self.index = KvIndex()
+        kv = SimpleNamespace(index=self.index, block_size=lambda address: block)
+        tokenizers = {MODEL: tokenizer} if tokenizer is not None else {}
+        self.policy = CacheAware(
+            SimpleNamespace(kv=kv, tokenizers=tokenizers),  # type: ignore[arg-type]
+            PrefixAffinity(1.25, 2),
+        )
+        self.reference = reference
+
+    def cached(self, worker: Worker, messages: list[dict[str, Any]]) -> None:
+        """``worker``'s engine stored the full blocks of ``messages``' prompt."""
+        text = self.reference.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        tokens = self.reference(text, add_special_tokens=False)["input_ids"]
+        full = len(tokens) // BLOCK * BLOCK
+        hashes = [next(_hashes) for _ in range(full // BLOCK)]
+        stored = BlockStored(hashes, None, tokens[:full], BLOCK)
+        self.index.apply(worker.address, EventBatch(0.0, [stored]))
+
+    def route(self, messages: list[dict[str, Any]], key: str | None = None) -> Worker:
+        order = WorkOrder("r", "chat", MODEL, {"messages": messages}, key=key, hinted=bool(key))
+        return self.policy.select(RoutingContext(self.workers, key, MODEL, order))
+
+
+def chat(document: str, question: str) -> list[dict[str, Any]]:
+    return [{"role": "system", "content": document}, {"role": "user", "content": question}]
+
+
+DOC_A = " ".join(f"Alpha clause {i} says the tenant pays {i} credits." for i in range(60))
+DOC_B = " ".join(f"Beta rule {i}: the operator restarts shard {i}." for i in range(60))
+
+
+def test_a_documents_questions_go_to_the_worker_that_holds_it(
+    tokenizer: PromptTokenizer, reference: Any
+) -> None:
+    fleet = Fleet(tokenizer, reference=reference)
+    holder = fleet.workers[2]
+    fleet.cached(holder, chat(DOC_A, "First question?"))
+    fleet.workers[0].in_flight = 0
+    holder.in_flight = 1  # busier, but within the bound: the cache wins
+    for question in ("What does clause 7 say?", "Who pays?", "How many credits in all?"):
+        assert fleet.route(chat(DOC_A, question)) is holder
+
+
+def test_the_longest_cached_run_wins(tokenizer: PromptTokenizer, reference: Any) -> None:
+    fleet = Fleet(tokenizer, reference=reference)
+    shared_only, with_history = fleet.workers[0], fleet.workers[1]
+    first = chat(DOC_A, "Summarise clause 3 in detail, please, with every number.")
+    fleet.cached(shared_only, chat(DOC_A, "Something else entirely."))
+    answered = [*first, {"role": "assistant", "content": "Clause 3 says the tenant pays 3."}]
+    fleet.cached(with_history, answered)
+    follow_up = [*answered, {"role": "user", "content": "And clause 4?"}]
+    assert fleet.route(follow_up) is with_history
+
+
+def test_a_prefix_every_worker_holds_goes_to_the_least_loaded(
+    tokenizer: PromptTokenizer, reference: Any
+) -> None:
+    fleet = Fleet(tokenizer, reference=reference)
+    for worker in fleet.workers:
+        fleet.cached(worker, chat(DOC_A, "Warm-up."))
+    loads = {fleet.workers[0]: 1, fleet.workers[1]: 0, fleet.workers[2]: 2}
+    for worker, n in loads.items():
+        worker.in_flight = n
+    assert fleet.route(chat(DOC_A, "Hot question?")) is fleet.workers[1]
+
+
+def test_the_holder_past_the_load_bound_is_passed_over(
+    tokenizer: PromptTokenizer, reference: Any
+) -> None:
+    fleet = Fleet(tokenizer, reference=reference)
+    holder = fleet.workers[0]
+    fleet.cached(holder, chat(DOC_A, "First."))
+    holder.in_flight = 6  # bound with 6 in flight over 3 workers: max(ceil(1.25*7/3), 3+2) = 5
+    chosen = fleet.route(chat(DOC_A, "Second?"))
+    assert chosen is not holder
+    assert fleet.policy.affinity.bound(RoutingContext(fleet.workers)) < holder.in_flight + 1
+
+
+def test_what_nothing_holds_is_placed_by_its_document(
+    tokenizer: PromptTokenizer, reference: Any
+) -> None:
+    fleet = Fleet(tokenizer, reference=reference, n=4)
+    # Before any event says where the document went, its questions land together.
+    first = fleet.route(chat(DOC_B, "What restarts shard 3?"))
+    first.in_flight += 1
+    for question in ("And shard 9?", "Who restarts them?", "Which rule is last?"):
+        assert fleet.route(chat(DOC_B, question)) is first
+
+
+def test_a_client_hint_places_what_nothing_holds(
+    tokenizer: PromptTokenizer, reference: Any
+) -> None:
+    fleet = Fleet(tokenizer, reference=reference, n=4)
+    first = fleet.route(chat(DOC_A, "One?"), key="session-1")
+    assert fleet.route(chat(DOC_B, "Two?"), key="session-1") is first
+
+
+def test_a_restarted_worker_is_not_chosen_for_what_it_held(
+    tokenizer: PromptTokenizer, reference: Any
+) -> None:
+    fleet = Fleet(tokenizer, reference=reference, n=2)
+    restarted, other = fleet.workers
+    fleet.cached(restarted, chat(DOC_A, "Early."))
+    fleet.cached(other, chat(DOC_A, "Early too."))
+    restarted.in_flight, other.in_flight = 0, 2
+    assert fleet.route(chat(DOC_A, "Before the restart?")) is restarted  # both hold it
+    # Its engine restarted: the index drops it (gateway.dispatch.kv_events).
+    fleet.index.drop(restarted.address)
+    restarted.incarnation = "new"
+    assert fleet.route(chat(DOC_A, "After the restart?")) is other
+
+
+def test_a_placement_does_not_outlive_its_workers_incarnation(
+    tokenizer: PromptTokenizer, reference: Any
+) -> None:
+    fleet = Fleet(tokenizer, reference=reference, n=2)
+    home = fleet.route(chat(DOC_B, "Placed?"))
+    other = next(w for w in fleet.workers if w is not home)
+    home.incarnation = "restarted"
+    home.in_flight = 1  # a fresh placement takes the least loaded
+    assert fleet.route(chat(DOC_B, "Placed again?")) is other
+
+
+def test_without_a_tokenizer_it_routes_as_prefix_does() -> None:
+    fleet = Fleet(None, n=4)
+    prefix = PrefixAffinity(1.25, 2)
+    for key in ("conversation-1", "conversation-2", "conversation-3"):
+        order = WorkOrder("r", "chat", MODEL, {"messages": chat(DOC_A, key)}, key=key)
+        context = RoutingContext(fleet.workers, key, MODEL, order)
+        assert fleet.policy.select(context) is prefix.select(context)
+
+
+def test_without_events_it_routes_as_prefix_does(
+    tokenizer: PromptTokenizer, reference: Any
+) -> None:
+    fleet = Fleet(tokenizer, n=4, block=0)  # no worker publishes: block size 0
+    prefix = PrefixAffinity(1.25, 2)
+    order = WorkOrder("r", "chat", MODEL, {"messages": chat(DOC_A, "Hi")}, key="k")
+    context = RoutingContext(fleet.workers, "k", MODEL, order)
+    assert fleet.policy.select(context) is prefix.select(context)
+
+
+def test_a_completion_of_token_ids_is_matched_as_given(
+    tokenizer: PromptTokenizer, reference: Any
+) -> None:
+    fleet = Fleet(tokenizer, reference=reference)
+    tokens = list(range(1000, 1000 + 8 * BLOCK))
+    holder = fleet.workers[1]
+    stored = BlockStored([next(_hashes) for _ in range(8)], None, tokens, BLOCK)
+    fleet.index.apply(holder.address, EventBatch(0.0, [stored]))
+    fleet.workers[0].in_flight = 0
+    holder.in_flight = 1
+    order = WorkOrder("r", "completion", MODEL, {"prompt": [*tokens, 7, 8, 9]})
+    assert fleet.policy.select(RoutingContext(fleet.workers, None, MODEL, order)) is holder
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"messages": "not a list"},
+        {"messages": [{"role": "user", "content": {"odd": "content"}}]},
+        {"messages": [42]},
+    ],
+)
+def test_a_prompt_it_cannot_render_is_routed_not_refused(
+    tokenizer: PromptTokenizer, reference: Any, params: dict[str, Any]
+) -> None:
+    fleet = Fleet(tokenizer, reference=reference)
+    order = WorkOrder("r", "chat", MODEL, params, key="k")
+    assert fleet.policy.select(RoutingContext(fleet.workers, "k", MODEL, order)) in fleet.workers
