@@ -12,7 +12,9 @@ the same name everywhere; on a GPU host the ``-1`` targets get GPU 0 and the
 ``-2`` targets GPUs 0 and 1 (``loadtest/gpu_bench.sh`` runs it there).
 
 ``--scenario multiturn`` runs ``loadtest.multiturn`` instead: multi-turn chat
-over two workers under each routing policy (its own flags; see there).
+over two workers under each routing policy (its own flags; see there);
+``--scenario rag`` runs ``loadtest.rag``: shared documents over two workers
+under each policy.
 
 The workload is the seed scenario: ``--users`` closed-loop clients (40) each
 stream ``/v1/completions`` for "Hello World, what is your name dog?" with
@@ -252,7 +254,7 @@ def plot(path: Path, results: list[Stats], title: str) -> None:
 # --- command line ---------------------------------------------------------
 
 
-SCENARIOS = ("seed", "multiturn")
+SCENARIOS = ("seed", "multiturn", "rag")
 
 
 def _add_scenario(parser: argparse.ArgumentParser) -> None:
@@ -261,7 +263,8 @@ def _add_scenario(parser: argparse.ArgumentParser) -> None:
         choices=SCENARIOS,
         default="seed",
         help="seed: the targets side by side (default); multiturn: multi-turn chat over "
-        "two workers under each routing policy (loadtest.multiturn, its own flags)",
+        "two workers under each routing policy (loadtest.multiturn, its own flags); rag: "
+        "shared documents over two workers under each policy (loadtest.rag, its own flags)",
     )
 
 
@@ -339,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest import multiturn
 
         return multiturn.main(rest)
+    if scenario.scenario == "rag":
+        from loadtest import rag
+
+        return rag.main(rest)
     args = build_parser().parse_args(rest)
     if args.long:
         args.max_tokens = LONG_MAX_TOKENS

@@ -122,6 +122,7 @@ class FakeEngine:
         self.chat_parser = False
         self.reasoning_parser = False
         self.kv_events_port = 0
+        self.kv_replay_port = 0
         self.kv_block_size = 0
 
     async def start(self) -> None:

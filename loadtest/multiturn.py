@@ -4,7 +4,7 @@ prefix cache into shorter times to first token?
 ``make bench ARGS="--scenario multiturn"`` (or ``python -m loadtest.multiturn``).
 Two real workers (the embedded model, each pinned to its own core slice as
 ``llmgate serve --num-workers 2`` pins them) start once; then, for each
-policy in turn (``prefix``, ``least-load``, ``round-robin``), a gateway with
+policy in turn (``prefix``, ``least-load``, ``round-robin``, ``kv``), a gateway with
 that ``--policy`` starts in front of them and ``--users`` simulated users
 (16) each hold a conversation of ``--turns`` (8) turns: a system prompt
 shared by all (``--system-words``, 150), then their own user messages
@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import sys
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -60,7 +61,7 @@ from loadtest.procs import await_ready, healthy_workers, launched
 from loadtest.report import ROOT, markdown_table, results_dir, write_json_and_csv
 from shared.ports import free_port
 
-POLICIES = ("prefix", "least-load", "round-robin")
+POLICIES = ("prefix", "least-load", "round-robin", "kv")
 TARGET_TTFT_RATIO = 1.5
 # "Equal or better throughput": the arrivals and pauses, so the offered load,
 # are the same under every policy, and every policy serves all of it; the
@@ -165,17 +166,19 @@ def summarize(
 
 
 @contextlib.contextmanager
-def gateway(policy: str, addresses: list[str], run_dir: Path) -> Any:
+def gateway(policy: str, addresses: list[str], run_dir: Path, name: str = "") -> Any:
+    """A gateway with ``--policy policy`` over ``addresses``, ready; yields its URL."""
+    name = name or policy
     port = free_port()
     argv = [
         *(sys.executable, "-m", "gateway.main", "--workers", ",".join(addresses)),
         *("--port", str(port), "--policy", policy),
     ]
-    log = run_dir / f"gateway-{policy}.log"
-    with launched(f"gateway {policy}", argv, log, cwd=ROOT) as proc:
+    log = run_dir / f"gateway-{name}.log"
+    with launched(f"gateway {name}", argv, log, cwd=ROOT) as proc:
         url = f"http://127.0.0.1:{port}"
         await_ready(
-            f"gateway {policy}",
+            f"gateway {name}",
             proc,
             log,
             url + "/ready",
@@ -183,6 +186,37 @@ def gateway(policy: str, addresses: list[str], run_dir: Path) -> Any:
             healthy_workers(len(addresses)),
         )
         yield url
+
+
+def start_workers(
+    stack: contextlib.ExitStack, engine: targets.Engine, run_dir: Path, startup_timeout: float
+) -> tuple[list[str], list[str]]:
+    """Two workers, each on its own core slice, publishing KV cache events (the kv
+    policy's); returns their addresses and metrics URLs once both engines are up."""
+    addresses, metrics_urls = [], []
+    procs = []
+    for i, cpu_slice in enumerate(targets.core_slices(2)):
+        address, metrics_port = f"tcp://127.0.0.1:{free_port()}", free_port()
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://127.0.0.1:{free_port()}",
+        }
+        argv = [
+            *(sys.executable, "-m", "worker.main", "--bind", address),
+            *("--worker-id", f"worker-{i}", "--metrics-port", str(metrics_port)),
+            *("--kv-events-config", json.dumps(events)),
+            *engine.flags,
+        ]
+        log = run_dir / f"worker-{i}.log"
+        env = targets.engine_env(cpu_slice)
+        procs.append(stack.enter_context(launched(f"worker-{i}", argv, log, env, ROOT)))
+        addresses.append(address)
+        metrics_urls.append(f"http://127.0.0.1:{metrics_port}/metrics")
+    for i, (proc, url) in enumerate(zip(procs, metrics_urls, strict=True)):
+        # The metrics port opens with the worker's socket, once the engine is up.
+        await_ready(f"worker-{i}", proc, run_dir / f"worker-{i}.log", url, startup_timeout)
+    return addresses, metrics_urls
 
 
 TABLE_HEADER = (
@@ -290,23 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[PolicyResult] = []
     every_turn: dict[str, list[dict[str, Any]]] = {}
     with contextlib.ExitStack() as stack:
-        addresses, metrics_urls = [], []
-        procs = []
-        for i, cpu_slice in enumerate(targets.core_slices(2)):
-            address, metrics_port = f"tcp://127.0.0.1:{free_port()}", free_port()
-            argv = [
-                *(sys.executable, "-m", "worker.main", "--bind", address),
-                *("--worker-id", f"worker-{i}", "--metrics-port", str(metrics_port)),
-                *engine.flags,
-            ]
-            log = run_dir / f"worker-{i}.log"
-            env = targets.engine_env(cpu_slice)
-            procs.append(stack.enter_context(launched(f"worker-{i}", argv, log, env, ROOT)))
-            addresses.append(address)
-            metrics_urls.append(f"http://127.0.0.1:{metrics_port}/metrics")
-        for i, (proc, url) in enumerate(zip(procs, metrics_urls, strict=True)):
-            # The metrics port opens with the worker's socket, once the engine is up.
-            await_ready(f"worker-{i}", proc, run_dir / f"worker-{i}.log", url, args.startup_timeout)
+        addresses, metrics_urls = start_workers(stack, engine, run_dir, args.startup_timeout)
         for n, policy in enumerate(policies):
             with gateway(policy, addresses, run_dir) as url:
                 if n == 0:  # the engines' first requests are slow: not counted

@@ -212,9 +212,10 @@ class Heartbeat(_Message, tag="hb"):
     reasoning_parser: bool = False
     # Where its engine publishes its KV cache events (vLLM's
     # --kv-events-config, ZeroMQ): the port on the worker's host, 0 = none;
-    # and the tokens of a cache block.
+    # the tokens of a cache block; the port that replays missed batches.
     kv_events_port: int = 0
     kv_block_size: int = 0
+    kv_replay_port: int = 0
 
 
 # gateway -> worker: Generate (a request to run), Abort (stop these requests:

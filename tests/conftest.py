@@ -200,9 +200,12 @@ def stop_serve(served: Served, sig: int = signal.SIGTERM, timeout: float = 60.0)
         return served.proc.wait()
 
 
-def kv_events_config(port: int) -> str:
-    """vLLM's ``--kv-events-config``: its KV cache events over ZeroMQ on ``port``."""
+def kv_events_config(port: int, replay_port: int = 0) -> str:
+    """vLLM's ``--kv-events-config``: its KV cache events over ZeroMQ on ``port``, and
+    missed batches replayed on ``replay_port`` (0: none)."""
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+    if replay_port:
+        config["replay_endpoint"] = f"tcp://*:{replay_port}"
     return json.dumps(config)
 
 

@@ -140,7 +140,9 @@ class Engine:
         self.namespace = namespace
         # vLLM streams chats in another shape under a tool or reasoning
         # parser; under a reasoning parser, only its server builds them.
-        self.kv_events_port = kv_events_port(self.llm.vllm_config.kv_events_config)
+        events = self.llm.vllm_config.kv_events_config
+        self.kv_events_port = kv_events_port(events)
+        self.kv_replay_port = kv_events_port(events, replay=True)
         self.kv_block_size: int = self.llm.vllm_config.cache_config.block_size or 0
         self.reasoning_parser = bool(getattr(namespace, "reasoning_parser", None))
         self.chat_parser = self.reasoning_parser or bool(
@@ -282,12 +284,13 @@ def _lora_requests(modules: list[Any] | None) -> dict[str, Any]:
     }
 
 
-def kv_events_port(config: Any) -> int:
-    """The TCP port vLLM's ``--kv-events-config`` publishes KV cache events on, when it
-    publishes them over ZeroMQ on a TCP port this host binds; else 0."""
+def kv_events_port(config: Any, replay: bool = False) -> int:
+    """The TCP port vLLM's ``--kv-events-config`` publishes KV cache events on (with
+    ``replay``: answers requests for missed batches on), when it publishes them over
+    ZeroMQ on a TCP port this host binds; else 0."""
     if config is None or not config.enable_kv_cache_events or config.publisher != "zmq":
         return 0
-    endpoint = str(config.endpoint or "")
+    endpoint = str((config.replay_endpoint if replay else config.endpoint) or "")
     if not endpoint.startswith("tcp://") or ":" not in endpoint[6:]:
         return 0
     try:

@@ -28,8 +28,10 @@ class ModelEngine(Protocol):
     # reasoning parser only vLLM's own server builds them.
     chat_parser: bool
     reasoning_parser: bool
-    # The port its engine publishes KV cache events on (0: none), and its block size.
+    # The port its engine publishes KV cache events on (0: none), the port it
+    # replays missed batches on (0: none), and its block size.
     kv_events_port: int
+    kv_replay_port: int
     kv_block_size: int
 
     async def start(self) -> None:

@@ -114,6 +114,7 @@ class Liveness:
             chat_parser=self.engine.chat_parser,
             reasoning_parser=self.engine.reasoning_parser,
             kv_events_port=self.engine.kv_events_port,
+            kv_replay_port=self.engine.kv_replay_port,
             kv_block_size=self.engine.kv_block_size,
         )
 

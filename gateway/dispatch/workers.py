@@ -239,7 +239,13 @@ class Workers:
         worker.max_model_len = beat.max_model_len
         worker.chat_parser = beat.chat_parser
         worker.reasoning_parser = beat.reasoning_parser
-        self.kv.heard(worker.address, beat.incarnation, beat.kv_events_port, beat.kv_block_size)
+        self.kv.heard(
+            worker.address,
+            beat.incarnation,
+            beat.kv_events_port,
+            beat.kv_block_size,
+            beat.kv_replay_port,
+        )
         if beat.kv_events_port:
             self._describe(worker, beat.models)
         # The worker's count includes this gateway's own requests, which

@@ -100,3 +100,73 @@ async def test_a_worker_that_leaves_leaves_nothing(subscribed: tuple[Publisher, 
     kv.forget(ADDRESS)
     assert kv.index.match(block_keys(TOKENS, 4)) == {}
     assert kv.block_size(ADDRESS) == 0
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def with_replay(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> AsyncIterator[tuple[Publisher, zmq.Socket[bytes], KvEvents]]:
+    """As ``subscribed``, the worker naming a replay endpoint (a ROUTER the test answers
+    from, framed as vLLM's ``ZmqEventPublisher`` answers)."""
+    publisher = Publisher(ctx)
+    router = ctx.socket(zmq.ROUTER)
+    replay_port = free_port()
+    router.bind(f"tcp://127.0.0.1:{replay_port}")
+    kv = KvEvents(ctx)
+    kv.heard(ADDRESS, "first", publisher.port, 4, replay_port)
+    try:
+        # A batch read after batches this process missed while joining makes it
+        # ask the replay for them; it gets none (the test's replay is empty).
+        async with asyncio.timeout(30):
+            while not router.poll(0) and kv.index.blocks_of(ADDRESS) == 0:
+                publisher.publish(stored([1], None, TOKENS[:4]))
+                await asyncio.sleep(0.05)
+        if router.poll(0):
+            answer_replay(router, [])
+        await until(lambda: kv.index.blocks_of(ADDRESS) == 1)
+        yield publisher, router, kv
+    finally:
+        kv.close()
+        router.close(linger=0)
+        publisher.sock.close(linger=0)
+
+
+def answer_replay(router: zmq.Socket[bytes], batches: list[tuple[int, bytes]]) -> int:
+    """Answer one replay request with ``batches``; returns the first sequence number asked."""
+    identity, _, start = router.recv_multipart()
+    for seq, payload in batches:
+        router.send_multipart([identity, b"", b"", seq.to_bytes(8, "big"), payload])
+    router.send_multipart([identity, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+    return int.from_bytes(start, "big")
+
+
+async def test_missed_batches_come_back_from_the_replay_in_order(
+    with_replay: tuple[Publisher, zmq.Socket[bytes], KvEvents],
+) -> None:
+    publisher, router, kv = with_replay
+    # Block 2 is stored in a batch this process misses; blocks 3 and 4 come
+    # live after it, block 4 while the replay is asked: both wait for block 2.
+    missed_seq = publisher.seq
+    missed = encode(wire.EventBatch(ts=0.0, events=[stored([2], 1, TOKENS[4:8])]))
+    publisher.seq += 1
+    publisher.publish(stored([3], 2, TOKENS[8:12]))
+    await until(lambda: router.poll(0))
+    publisher.publish(stored([4], 3, TOKENS[12:16]))
+    assert answer_replay(router, [(missed_seq, missed)]) == missed_seq
+    await until(lambda: kv.index.blocks_of(ADDRESS) == 4)
+    assert kv.index.match(block_keys(TOKENS, 4)) == {ADDRESS: 4}
+    assert kv.index.orphans == 0
+
+
+async def test_a_replay_that_does_not_answer_delays_nothing_for_long(
+    with_replay: tuple[Publisher, zmq.Socket[bytes], KvEvents], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gateway.dispatch import kv_events
+
+    monkeypatch.setattr(kv_events, "REPLAY_TIMEOUT", 0.2)
+    publisher, router, kv = with_replay
+    publisher.seq += 1  # a batch missed, and the replay never answers
+    publisher.publish(stored([5], None, TOKENS[4:8]))
+    await until(lambda: router.poll(0))
+    # The live batch held for the replay is applied once it is given up on.
+    await until(lambda: kv.index.blocks_of(ADDRESS) == 2)

@@ -47,8 +47,9 @@ SYSTEM_FIXTURE = "two"
 
 
 def launch_system(directory: Path) -> prestart.Launched:
-    # Their engines publish KV cache events (the kv policy's), one port each.
-    events = kv_events_config(free_port_range(2))
+    # Their engines publish KV cache events (the kv policy's), and replay
+    # those a gateway missed (it starts after them), two ports each.
+    events = kv_events_config(free_port_range(2), free_port_range(2))
     running = launch_serve(directory / "serve.log", "--kv-events-config", events, num_workers=2)
     return launched_ahead(running)
 
