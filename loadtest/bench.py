@@ -14,7 +14,8 @@ the same name everywhere; on a GPU host the ``-1`` targets get GPU 0 and the
 ``--scenario multiturn`` runs ``loadtest.multiturn`` instead: multi-turn chat
 over two workers under each routing policy (its own flags; see there);
 ``--scenario rag`` runs ``loadtest.rag``: shared documents over two workers
-under each policy.
+under each policy; ``--scenario fleet`` runs ``loadtest.fleet``: the policies
+in front of 32 SIMULATED engines, behind 1 and 8 gateway processes.
 
 The workload is the seed scenario: ``--users`` closed-loop clients (40) each
 stream ``/v1/completions`` for "Hello World, what is your name dog?" with
@@ -254,7 +255,7 @@ def plot(path: Path, results: list[Stats], title: str) -> None:
 # --- command line ---------------------------------------------------------
 
 
-SCENARIOS = ("seed", "multiturn", "rag")
+SCENARIOS = ("seed", "multiturn", "rag", "fleet")
 
 
 def _add_scenario(parser: argparse.ArgumentParser) -> None:
@@ -264,7 +265,8 @@ def _add_scenario(parser: argparse.ArgumentParser) -> None:
         default="seed",
         help="seed: the targets side by side (default); multiturn: multi-turn chat over "
         "two workers under each routing policy (loadtest.multiturn, its own flags); rag: "
-        "shared documents over two workers under each policy (loadtest.rag, its own flags)",
+        "shared documents over two workers under each policy (loadtest.rag, its own flags); "
+        "fleet: the policies before 32 SIMULATED engines (loadtest.fleet, its own flags)",
     )
 
 
@@ -346,6 +348,10 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest import rag
 
         return rag.main(rest)
+    if scenario.scenario == "fleet":
+        from loadtest import fleet
+
+        return fleet.main(rest)
     args = build_parser().parse_args(rest)
     if args.long:
         args.max_tokens = LONG_MAX_TOKENS

@@ -137,10 +137,8 @@ def kv_blocks(gateway: Served, worker: str) -> float:
     return metric(gateway.base_url, "llmgate_kv_index_blocks", worker=worker) or 0
 
 
-def test_kv_policy_sends_a_documents_questions_where_it_is_cached(
-    two: Served, kv_gateway: Served
-) -> None:
-    document = f"{uuid.uuid4().hex} {DOCUMENT}"
+def asking(document: str) -> Callable[[str], dict[str, Any]]:
+    """A chat request of ``document`` (its system prompt) and a question."""
 
     def ask(question: str) -> dict[str, Any]:
         messages = [
@@ -149,6 +147,14 @@ def test_kv_policy_sends_a_documents_questions_where_it_is_cached(
         ]
         return {"model": MODEL, "messages": messages, "max_tokens": 1}
 
+    return ask
+
+
+def test_kv_policy_sends_a_documents_questions_where_it_is_cached(
+    two: Served, kv_gateway: Served
+) -> None:
+    document = f"{uuid.uuid4().hex} {DOCUMENT}"
+    ask = asking(document)
     before = {w: kv_blocks(kv_gateway, w) for w in two.worker_addresses(2).split(",")}
     (first,) = asyncio.run(post_many(kv_gateway.base_url, [ask("Who pays most?")], chat=True))
     (holder,) = served_by([first])
@@ -603,3 +609,55 @@ def test_sigterm_on_a_worker_drains_it(two: Served) -> None:
     log = two.wait_for_log("worker-0 exited with", 60, since=log_from)
     assert re.search(r"worker-0 exited with 0 after \d+s; restart \d+ in", log), log
     assert "starting worker-0" in two.wait_for_log("starting worker-0", 60, since=log_from)
+
+
+def test_kv_policy_forgets_the_cache_of_a_restarted_worker(
+    two: Served, kv_gateway: Served, least_load_gateway: Served
+) -> None:
+    """Both workers hold a document; the one the kv policy picks restarts: its entries
+    are gone by the time it is back, and the document's questions go to the other."""
+    ask = asking(f"{uuid.uuid4().hex} {DOCUMENT}")
+    addresses = two.worker_addresses(2).split(",")
+
+    def healthy(address: str) -> bool:
+        return metric(kv_gateway.base_url, "llmgate_worker_healthy", worker=address) == 1
+
+    # The tests before restarted workers.
+    wait_for(lambda: all(healthy(a) for a in addresses), STARTUP_TIMEOUT, show=two.log_tail)
+    (first,) = asyncio.run(post_many(kv_gateway.base_url, [ask("Who pays most?")], chat=True))
+    (holder,) = served_by([first])
+    blocks = first.json()["usage"]["prompt_tokens"] // 128
+    # The other worker computes it too: sent through a least-load gateway under
+    # session hints, each placed by its own hash, until one lands there.
+    other = next(a for a in addresses if a != holder)
+    before = kv_blocks(kv_gateway, other)
+    for i in range(32):
+        hinted = asyncio.run(
+            post_many(
+                least_load_gateway.base_url,
+                [ask(f"Hinted question {i}?")],
+                {"x-session-id": f"{uuid.uuid4().hex}"},
+                chat=True,
+            )
+        )
+        if served_by(hinted) == {other: 1}:
+            break
+    else:
+        pytest.fail("32 session hints all landed on one worker")
+    wait_for(lambda: kv_blocks(kv_gateway, other) >= before + blocks, 60)
+    # Both hold it and both are idle: the policy's tie-break names one. That
+    # one restarts (a stale index would keep choosing it).
+    (chosen,) = asyncio.run(post_many(kv_gateway.base_url, [ask("Which one?")], chat=True))
+    (victim,) = served_by([chosen])
+    survivor = next(a for a in addresses if a != victim)
+    worker_process(two, victim).send_signal(signal.SIGKILL)
+    wait_for(lambda: not healthy(victim), 60)
+    wait_for(lambda: healthy(victim), STARTUP_TIMEOUT, show=two.log_tail)
+    # Back, and holding nothing in this gateway's index.
+    assert kv_blocks(kv_gateway, victim) == 0
+    assert kv_blocks(kv_gateway, survivor) >= blocks
+    for i in range(4):
+        answers = asyncio.run(
+            post_many(kv_gateway.base_url, [ask(f"After the restart {i}?")], chat=True)
+        )
+        assert served_by(answers) == {survivor: 1}

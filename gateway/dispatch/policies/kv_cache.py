@@ -9,12 +9,13 @@ load bound (``PrefixAffinity.bound``: a hot prefix spreads rather than piles
 onto one engine), the one holding the most prompt tokens takes it; ties go to
 the less loaded, then by rendezvous hashing, alike in every replica.
 
-Where no worker within the bound holds any of it, the request is placed like a
-new ``prefix`` key: the client's hint if it gave one, else the prompt's
-leading blocks (so a document's first questions, sent before any event says
-where it went, land together). A placement is remembered with the worker's
-incarnation: a worker that restarted holds nothing, and is not chosen for
-what it held before. Requests it cannot tokenize (a model whose tokenizer
+Where no worker within the bound holds any of it, the request is placed by
+rendezvous hashing of a key over the workers within the bound, load aside,
+so every replica places it alike: the key is the client's hint if it gave
+one, else the prompt's leading blocks (so a document's first questions,
+sent before any event says where it went, land together). A placement is
+remembered with the worker's incarnation (a worker that restarted is not
+chosen for what it held before). Requests it cannot tokenize (a model whose tokenizer
 no worker sent, an adapter's, vLLM's own routes) or that reach workers with
 no KV events are ``prefix``'s.
 """
@@ -124,7 +125,11 @@ class CacheAware:
                 if (worker.address, worker.incarnation) == home:
                     self._placed.move_to_end(key)
                     return worker
-        chosen = min(under, key=lambda w: (load(w), -score(key, w.key)))
+        # By rendezvous hashing alone, load aside within the bound: every replica
+        # places a new document on the same worker, though its view of the
+        # load differs (two gateways that each chose the less loaded computed
+        # many documents on both workers).
+        chosen = max(under, key=lambda w: score(key, w.key))
         self._placed[key] = (chosen.address, chosen.incarnation)
         self._placed.move_to_end(key)
         if len(self._placed) > REMEMBERED_KEYS:

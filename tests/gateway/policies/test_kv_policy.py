@@ -176,15 +176,24 @@ def test_a_restarted_worker_is_not_chosen_for_what_it_held(
     assert fleet.route(chat(DOC_A, "After the restart?")) is other
 
 
-def test_a_placement_does_not_outlive_its_workers_incarnation(
+def test_a_placement_is_kept_until_its_worker_restarts(
     tokenizer: PromptTokenizer, reference: Any
 ) -> None:
+    # Where nothing holds a prompt, the hash of its start names a worker, the
+    # same in every replica (a fresh policy over the same workers agrees).
+    hashed = Fleet(tokenizer, reference=reference, n=2).route(chat(DOC_A, "Where?"))
     fleet = Fleet(tokenizer, reference=reference, n=2)
-    home = fleet.route(chat(DOC_B, "Placed?"))
-    other = next(w for w in fleet.workers if w is not home)
-    home.incarnation = "restarted"
-    home.in_flight = 1  # a fresh placement takes the least loaded
-    assert fleet.route(chat(DOC_B, "Placed again?")) is other
+    preferred = next(w for w in fleet.workers if w.address == hashed.address)
+    other = next(w for w in fleet.workers if w is not preferred)
+    # That worker is past the bound (max(ceil(1.25 * 10 / 2), 5 + 2) = 7): the
+    # other takes the document, and keeps it once the first has room again.
+    preferred.in_flight = 9
+    assert fleet.route(chat(DOC_A, "While it is full?")) is other
+    preferred.in_flight = 0
+    assert fleet.route(chat(DOC_A, "Once it has room?")) is other
+    # The other restarts: its placement goes with it, the hash decides again.
+    other.incarnation = "restarted"
+    assert fleet.route(chat(DOC_A, "After the restart?")) is preferred
 
 
 def test_without_a_tokenizer_it_routes_as_prefix_does() -> None:
