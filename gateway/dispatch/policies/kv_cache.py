@@ -7,7 +7,11 @@ block size and keyed as the index keys the engines' KV events
 the prompt each engine holds. Among the workers within the prefix policy's
 load bound (``PrefixAffinity.bound``: a hot prefix spreads rather than piles
 onto one engine), the one holding the most prompt tokens takes it; ties go to
-the less loaded, then by rendezvous hashing, alike in every replica.
+the less loaded, then by rendezvous hashing, alike in every replica. A run
+of blocks that brings more of the recent traffic than its holders' share of
+the workers (a hot system prompt) goes to a less loaded worker instead,
+which then holds it too: it spreads over as many engines as its traffic
+needs.
 
 Where no worker within the bound holds any of it, the request is placed by
 rendezvous hashing of a key over the workers within the bound, load aside,
@@ -23,6 +27,8 @@ no KV events are ``prefix``'s.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -41,6 +47,16 @@ log = logging.getLogger(__name__)
 # at vLLM's 16 tokens a block, its first 128 tokens (a document, shared
 # instructions), not the question after them.
 PLACEMENT_BLOCKS = 8
+# Seconds after which a cached run's request counts half as much, for telling
+# a hot prefix (more of the traffic than its holders' share of the workers).
+HEAT_HALF_LIFE = 10.0
+# Decayed requests a run needs before it counts as hot: one conversation's
+# turns, a few a minute, never do (moving them would recompute its history).
+HOT_REQUESTS = 8.0
+# Blocks between the points a request is counted at (at vLLM's 16 tokens a
+# block, every 128 tokens): also the most a request moved off a hot run's
+# holder may leave behind of its own.
+HOT_STRIDE = 8
 # Characters of a prompt tokenized afresh to see whether any engine holds its
 # start (about 450 tokens of English text): at least PLACEMENT_BLOCKS blocks.
 PROBE_CHARS = 2048
@@ -54,12 +70,15 @@ class CacheAware:
         self.affinity = affinity
         # Placement key -> (worker address, its incarnation), oldest first.
         self._placed: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        # How much of the recent traffic each cached run brought.
+        self._heat = Heat()
 
     def select(self, context: RoutingContext) -> Worker:
         looked_up = self._look_up(context)
         if looked_up is None:
             return self.affinity.select(context)
-        held, placement = looked_up
+        held, placement, chain = looked_up
+        self._heat.request()
         if context.hinted and context.key is not None:
             placement = context.key
         bound = self.affinity.bound(context)
@@ -69,14 +88,58 @@ class CacheAware:
                 under,
                 key=lambda w: (held.get(w.address, 0), -load(w), score(placement, w.key)),
             )
-            if held.get(best.address, 0):
-                return best
+            top = held.get(best.address, 0)
+            if top:
+                return self._spread(best, top, chain, held, under, placement, context)
         return self._place(under, placement, context)
 
-    def _look_up(self, context: RoutingContext) -> tuple[dict[str, int], str] | None:
-        """Prompt tokens each worker's engine holds (only those holding some), and the
-        prompt's placement key; None where the prompt cannot be read or no candidate
-        publishes events.
+    def _spread(
+        self,
+        best: Worker,
+        top: int,
+        chain: tuple[int, list[int]],
+        held: dict[str, int],
+        under: list[Worker],
+        placement: str,
+        context: RoutingContext,
+    ) -> Worker:
+        """``best`` holds the most of the prompt (``top`` tokens); unless the run it
+        shares with other requests is hot, it takes the request.
+
+        Requests are counted at every ``HOT_STRIDE``-th block of what is held
+        (``Heat``). A run is hot when it brought ``HOT_REQUESTS`` lately and more
+        of the traffic than its holders' share of the workers: then the least
+        loaded of its holders takes the request, or a less loaded worker that does
+        not hold it yet and will from then on. A hot system prompt so spreads over
+        as many engines as its traffic needs. Only a request that holds at most
+        one stride past the hot run moves: a conversation's history or a
+        document, each its own requests', stays where it is held."""
+        size, keys = chain
+        hot, share = 0, 0.0
+        for depth in range(HOT_STRIDE, min(top // size, len(keys)) + 1, HOT_STRIDE):
+            requests, of_all = self._heat.count(keys[depth - 1])
+            if requests >= HOT_REQUESTS:
+                hot, share = depth * size, of_all
+        if not hot or top - hot > HOT_STRIDE * size:
+            return best
+        holding = [w for w in under if held.get(w.address, 0) >= hot]
+        holders = sum(1 for w in context.candidates if held.get(w.address, 0) >= hot)
+        least = min(holding, key=lambda w: (load(w), -score(placement, w.key)))
+        if holders < math.ceil(share * len(context.candidates)):
+            others = [w for w in under if held.get(w.address, 0) < hot]
+            if others:
+                idle = min(others, key=lambda w: (load(w), -score(placement, w.key)))
+                if load(idle) < load(least):
+                    return idle
+        return least
+
+    def _look_up(
+        self, context: RoutingContext
+    ) -> tuple[dict[str, int], str, tuple[int, list[int]]] | None:
+        """Prompt tokens each worker's engine holds (only those holding some), the
+        prompt's placement key, and the smallest block size with the prompt's keys
+        in it; None where the prompt cannot be read or no candidate publishes
+        events.
 
         A prompt unseen by this process costs a tokenizing of ``PROBE_CHARS``
         characters: the whole is tokenized only when some engine holds all of the
@@ -94,6 +157,7 @@ class CacheAware:
         tokens, cut = start
         index = self.caches.kv.index
         held: dict[str, int] = {}
+        chain: tuple[int, list[int]] | None = None
         placement = ""
         whole: Sequence[int] | None = None
         for size in sorted(sizes):
@@ -108,12 +172,14 @@ class CacheAware:
                 if whole is None:
                     rest = prompt_tokens(tokenizer, order.kind, order.params)
                     whole = rest[0] if rest is not None else tokens
-                found = index.match(block_keys(whole, size))
+                keys = block_keys(whole, size)
+                found = index.match(keys)
+            chain = chain or (size, keys)
             for address, depth in found.items():
                 held[address] = max(held.get(address, 0), depth * size)
-        if not placement:
+        if chain is None:
             return None  # shorter than a block: nothing to find
-        return held, placement
+        return held, placement, chain
 
     def _place(self, under: list[Worker], key: str, context: RoutingContext) -> Worker:
         """Nothing of the prompt is cached within the bound: its placement, or a new one."""
@@ -135,6 +201,34 @@ class CacheAware:
         if len(self._placed) > REMEMBERED_KEYS:
             self._placed.popitem(last=False)
         return chosen
+
+
+class Heat:
+    """Requests lately, in all and per key: counts that decay by half every
+    ``half_life`` seconds, for the ``REMEMBERED_KEYS`` most recent keys."""
+
+    def __init__(self, half_life: float = HEAT_HALF_LIFE) -> None:
+        self._rate = math.log(2) / half_life
+        self._counts: OrderedDict[int, tuple[float, float]] = OrderedDict()
+        self._total = 0.0
+        self._at = time.monotonic()
+
+    def request(self) -> None:
+        """One more request (whatever keys it is counted under)."""
+        now = time.monotonic()
+        self._total = self._total * math.exp(-self._rate * (now - self._at)) + 1.0
+        self._at = now
+
+    def count(self, key: int) -> tuple[float, float]:
+        """The request is counted under ``key`` too: the key's count, and its share
+        of all requests."""
+        now = time.monotonic()
+        value, at = self._counts.pop(key, (0.0, now))
+        value = value * math.exp(-self._rate * (now - at)) + 1.0
+        self._counts[key] = (value, now)
+        if len(self._counts) > REMEMBERED_KEYS:
+            self._counts.popitem(last=False)
+        return value, value / max(self._total, value)
 
 
 def prompt_tokens(

@@ -243,3 +243,39 @@ def test_a_prompt_it_cannot_render_is_routed_not_refused(
     fleet = Fleet(tokenizer, reference=reference)
     order = WorkOrder("r", "chat", MODEL, params, key="k")
     assert fleet.policy.select(RoutingContext(fleet.workers, "k", MODEL, order)) in fleet.workers
+
+
+def test_a_hot_prefix_spreads_where_one_document_stays(
+    tokenizer: PromptTokenizer, reference: Any
+) -> None:
+    fleet = Fleet(tokenizer, reference=reference, n=4)
+    fleet.cached(fleet.workers[0], chat(DOC_A, "Warm-up."))
+    # One system prompt brings all the traffic: first requests that end at once
+    # (its holder has room for them)...
+    for i in range(8):
+        assert fleet.route(chat(DOC_A, f"Quick question {i}?")) is fleet.workers[0]
+    # ...then requests that pour in, none ending: each worker chosen computes
+    # the prompt and holds it from then on.
+    for i in range(12):
+        messages = chat(DOC_A, f"Hot question {i}?")
+        chosen = fleet.route(messages)
+        chosen.in_flight += 1
+        fleet.cached(chosen, messages)
+    loads = sorted(w.in_flight for w in fleet.workers)
+    # Spread over every worker, none more than one above another, well inside
+    # the load bound (5 here) that alone would let the first holder take 5.
+    assert loads[-1] - loads[0] <= 1, loads
+
+
+def test_a_few_turns_of_a_conversation_do_not_count_as_hot(
+    tokenizer: PromptTokenizer, reference: Any
+) -> None:
+    fleet = Fleet(tokenizer, reference=reference, n=4)
+    home = fleet.workers[3]
+    history = chat(DOC_B, "First turn.")
+    for turn in range(6):
+        fleet.cached(home, history)
+        home.in_flight = 2  # busier than the others (other conversations), within the bound
+        history = [*history, {"role": "assistant", "content": "Yes."}]
+        history = [*history, {"role": "user", "content": f"Turn {turn}?"}]
+        assert fleet.route(history) is home
