@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -54,8 +55,8 @@ HEAT_HALF_LIFE = 10.0
 # turns, a few a minute, never do (moving them would recompute its history).
 HOT_REQUESTS = 8.0
 # Blocks between the points a request is counted at (at vLLM's 16 tokens a
-# block, every 128 tokens): also the most a request moved off a hot run's
-# holder may leave behind of its own.
+# block, every 128 tokens); twice that is the most a request moved off a hot
+# run's holder may leave behind of its own.
 HOT_STRIDE = 8
 # Characters of a prompt tokenized afresh to see whether any engine holds its
 # start (about 450 tokens of English text): at least PLACEMENT_BLOCKS blocks.
@@ -72,6 +73,7 @@ class CacheAware:
         self._placed: OrderedDict[str, tuple[str, str]] = OrderedDict()
         # How much of the recent traffic each cached run brought.
         self._heat = Heat()
+        self._rng = random.Random()
 
     def select(self, context: RoutingContext) -> Worker:
         looked_up = self._look_up(context)
@@ -112,7 +114,7 @@ class CacheAware:
         loaded of its holders takes the request, or a less loaded worker that does
         not hold it yet and will from then on. A hot system prompt so spreads over
         as many engines as its traffic needs. Only a request that holds at most
-        one stride past the hot run moves: a conversation's history or a
+        two strides past the hot run moves: a conversation's history or a
         document, each its own requests', stays where it is held."""
         size, keys = chain
         hot, share = 0, 0.0
@@ -120,15 +122,18 @@ class CacheAware:
             requests, of_all = self._heat.count(keys[depth - 1])
             if requests >= HOT_REQUESTS:
                 hot, share = depth * size, of_all
-        if not hot or top - hot > HOT_STRIDE * size:
+        if not hot or top - hot > 2 * HOT_STRIDE * size:
             return best
         holding = [w for w in under if held.get(w.address, 0) >= hot]
         holders = sum(1 for w in context.candidates if held.get(w.address, 0) >= hot)
-        least = min(holding, key=lambda w: (load(w), -score(placement, w.key)))
+        # Ties at random: a hot run's requests all have the same placement
+        # key, and a tie broken by it sends every one to the same worker.
+        rng = self._rng.random
+        least = min(holding, key=lambda w: (load(w), rng()))
         if holders < math.ceil(share * len(context.candidates)):
             others = [w for w in under if held.get(w.address, 0) < hot]
             if others:
-                idle = min(others, key=lambda w: (load(w), -score(placement, w.key)))
+                idle = min(others, key=lambda w: (load(w), rng()))
                 if load(idle) < load(least):
                     return idle
         return least
