@@ -51,7 +51,7 @@ from loadtest import targets
 from loadtest.conversations import text
 from loadtest.percentiles import percentile
 from loadtest.procs import await_ready, healthy_workers, launched
-from loadtest.report import ROOT, markdown_table, results_dir, write_json_and_csv
+from loadtest.report import ROOT, markdown_table, ms, results_dir, write_json_and_csv
 from loadtest.sim_engine import CacheModel
 from shared.ports import free_port, free_port_range
 
@@ -294,9 +294,6 @@ TABLE_HEADER = (
 
 
 def format_table(results: list[RunResult]) -> str:
-    def ms(value: float | None) -> str:
-        return "-" if value is None else f"{value:,.0f}"
-
     rows = [
         [
             r.workload,

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
-import json
 import random
 import statistics
 import time
@@ -187,19 +186,12 @@ def match(args: argparse.Namespace) -> dict[str, float]:
 def _prompt_tokenizer() -> Any:
     """The embedded model's tokenizer as the gateway builds it (None: not converted)."""
     from gateway.dispatch.tokens import PromptTokenizer
-    from shared import protocol
+    from loadtest.sim_engine import described_tokenizer
     from shared.embedded import default_model_dir
 
-    directory = default_model_dir()
-    if not (directory / "tokenizer.json").is_file():
+    if not (default_model_dir() / "tokenizer.json").is_file():
         return None
-    config = json.loads((directory / "tokenizer_config.json").read_text())
-    template_file = directory / "chat_template.jinja"
-    template = template_file.read_text() if template_file.is_file() else config["chat_template"]
-    special = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
-    return PromptTokenizer(
-        protocol.Tokenizer("m", (directory / "tokenizer.json").read_text(), template, special)
-    )
+    return PromptTokenizer(described_tokenizer())
 
 
 def decision(args: argparse.Namespace) -> dict[str, Any] | None:

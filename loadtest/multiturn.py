@@ -58,7 +58,7 @@ from loadtest.conversations import Turn, run_policy
 from loadtest.machine import vllm_version
 from loadtest.percentiles import mean, percentile
 from loadtest.procs import await_ready, healthy_workers, launched
-from loadtest.report import ROOT, markdown_table, results_dir, write_json_and_csv
+from loadtest.report import ROOT, markdown_table, ms, results_dir, write_json_and_csv
 from shared.ports import free_port
 
 POLICIES = ("prefix", "least-load", "round-robin", "kv")
@@ -234,9 +234,6 @@ TABLE_HEADER = (
 
 
 def format_table(results: list[PolicyResult]) -> str:
-    def ms(value: float | None) -> str:
-        return "-" if value is None else f"{value:,.0f}"
-
     def row(r: PolicyResult) -> list[str]:
         rates = ", ".join("-" if x is None else f"{x:.0%}" for x in r.prefix_cache_hit_rate)
         spread = ", ".join(f"{n}" for _, n in sorted(r.requests_per_worker.items()))

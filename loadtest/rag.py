@@ -47,7 +47,7 @@ from loadtest.conversations import text
 from loadtest.machine import vllm_version
 from loadtest.multiturn import gateway, prefix_counters, start_workers
 from loadtest.percentiles import mean, percentile
-from loadtest.report import ROOT, markdown_table, results_dir, write_json_and_csv
+from loadtest.report import ROOT, markdown_table, ms, results_dir, write_json_and_csv
 
 POLICIES = ("round-robin", "least-load", "prefix", "kv")
 TARGET_RATIO = 0.7
@@ -220,9 +220,6 @@ TABLE_HEADER = (
 
 
 def format_table(results: list[RunResult]) -> str:
-    def ms(value: float | None) -> str:
-        return "-" if value is None else f"{value:,.0f}"
-
     def row(r: RunResult) -> list[str]:
         spread = ", ".join(str(n) for _, n in sorted(r.requests_per_worker.items()))
         ratio = "-" if r.against_round_robin is None else f"{r.against_round_robin:.2f}"

@@ -71,6 +71,11 @@ def text_table(columns: Sequence[TextColumn], rows: Iterable[Any]) -> str:
     return "\n".join(lines)
 
 
+def ms(value: float | None) -> str:
+    """Milliseconds in a table cell: thousands separated, "-" for none."""
+    return "-" if value is None else f"{value:,.0f}"
+
+
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     """A Markdown table of ``header`` and ``rows`` (cells already formatted)."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
