@@ -49,15 +49,18 @@ log = logging.getLogger(__name__)
 # instructions), not the question after them.
 PLACEMENT_BLOCKS = 8
 # Seconds after which a cached run's request counts half as much, for telling
-# a hot prefix (more of the traffic than its holders' share of the workers).
-HEAT_HALF_LIFE = 10.0
-# Decayed requests a run needs before it counts as hot: one conversation's
-# turns, a few a minute, never do (moving them would recompute its history).
+# a hot prefix (more of the traffic than its holders' share of the workers):
+# short, so a prompt that turns hot under heavy traffic counts as such within
+# seconds (at 10 s, a simulated fleet's hot prompt went unnoticed for most
+# of a run that followed another workload).
+HEAT_HALF_LIFE = 2.0
+# Decayed requests a run needs before it counts as hot (at least 8 within a
+# few seconds): one conversation's turns never do.
 HOT_REQUESTS = 8.0
 # Blocks between the points a request is counted at (at vLLM's 16 tokens a
-# block, every 128 tokens); twice that is the most a request moved off a hot
+# block, every 64 tokens); twice that is the most a request moved off a hot
 # run's holder may leave behind of its own.
-HOT_STRIDE = 8
+HOT_STRIDE = 4
 # Characters of a prompt tokenized afresh to see whether any engine holds its
 # start (about 450 tokens of English text): at least PLACEMENT_BLOCKS blocks.
 PROBE_CHARS = 2048
