@@ -112,13 +112,14 @@ class CacheAware:
         shares with other requests is hot, it takes the request.
 
         Requests are counted at every ``HOT_STRIDE``-th block of what is held
-        (``Heat``). A run is hot when it brought ``HOT_REQUESTS`` lately and more
-        of the traffic than its holders' share of the workers: then the least
-        loaded of its holders takes the request, or a less loaded worker that does
-        not hold it yet and will from then on. A hot system prompt so spreads over
-        as many engines as its traffic needs. Only a request that holds at most
-        two strides past the hot run moves: a conversation's history or a
-        document, each its own requests', stays where it is held."""
+        (``Heat``). A run that brought ``HOT_REQUESTS`` lately is hot: the least
+        loaded of its holders takes the request; and while the run brings more
+        of the traffic than its holders' share of the workers, a less loaded
+        worker that does not hold it yet takes it instead, and holds it from
+        then on. A hot system prompt so spreads over as many engines as its
+        traffic needs. Only a request that holds at most two strides past the
+        hot run moves: a conversation's history or a document, each its own
+        requests', stays where it is held."""
         size, keys = chain
         hot, share = 0, 0.0
         for depth in range(HOT_STRIDE, min(top // size, len(keys)) + 1, HOT_STRIDE):
