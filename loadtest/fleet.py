@@ -9,21 +9,26 @@ processes, the clients taking turns between them. Each workload runs on
 empty caches:
 
 * ``agents``: ``--agents`` (8) sets of instructions of about 1,000 tokens,
-  each shared by many users; every user holds a conversation of 4 turns
-  (its history grows);
+  each shared by many users (``--users``, 1,024); every user holds a
+  conversation of ``--turns`` (8) turns (its history grows). Long enough
+  that each engine serves many conversations of an agent: spreading 8
+  agents over 32 engines computes each agent's instructions on several
+  engines, a cost no balanced routing avoids, which at 128 users of 4
+  turns came to 0.6x the floor or more;
 * ``rag``: documents of about 1,500 tokens filling half of the fleet's cache
   in all, each behind 4 different questions in a shuffled order: each
   engine's share fits its cache, every document everywhere would not;
-* ``hot``: 80% of the requests behind one system prompt of about 1,000
-  tokens, the rest behind prompts of their own.
+* ``hot``: ``--hot-requests`` (5,000), 80% of them behind one system
+  prompt of about 1,000 tokens, the rest behind prompts of their own.
 
 Reported per workload, policy and gateway count: the prompt tokens the
 engines computed against the floor (what one infinite cache shared by all
 engines would compute), the cache hit rate (tokens), the busiest engine's
-requests against the mean, the modelled TTFT p50 and p99 (the clients'
-times: the model's prefill and decode times plus this machine's own), and
-errors. A plot of computed/floor per policy and gateway count goes beside
-the table (``fleet.png``). Every figure is SIMULATED: engines, caches and
+requests and load (the seconds it held requests) against the mean, the
+modelled TTFT p50 and p99 (the clients' times: the model's prefill and
+decode times plus this machine's own), and errors. A plot of
+computed/floor per policy and gateway count goes beside the table
+(``fleet.png``). Every figure is SIMULATED: engines, caches and
 times are a model; only the gateway and its policies are real.
 
 Results go to ``loadtest/results/<UTC time>-fleet/``.
@@ -81,6 +86,7 @@ class RunResult:
     against_floor: float
     hit_rate: float
     busiest_against_mean: float
+    busiest_load_against_mean: float
     ttft_p50_ms: float | None
     ttft_p99_ms: float | None
     seconds: float
@@ -101,7 +107,7 @@ def agents(args: argparse.Namespace, tag: str) -> list[list[Request]]:
     for user in range(args.users):
         history = [{"role": "system", "content": instructions[user % args.agents]}]
         turns = []
-        for turn in range(4):
+        for turn in range(args.turns):
             history = [
                 *history,
                 {"role": "user", "content": text(random.Random(f"u{user}-{turn}"), 40)},
@@ -261,6 +267,8 @@ def summarize(
     cached = sum(e["cached_tokens"] for e in engines)
     requests = [e["requests"] for e in engines]
     mean = sum(requests) / len(requests) if requests else 0
+    held = [e.get("held_seconds", 0.0) for e in engines]
+    mean_held = sum(held) / len(held) if held else 0
     floor = stats["floor_tokens"]
     return RunResult(
         workload=workload,
@@ -273,6 +281,7 @@ def summarize(
         against_floor=(prompt - cached) / floor if floor else 0.0,
         hit_rate=cached / prompt if prompt else 0.0,
         busiest_against_mean=max(requests) / mean if mean else 0.0,
+        busiest_load_against_mean=max(held) / mean_held if mean_held else 0.0,
         ttft_p50_ms=percentile(ttfts, 50),
         ttft_p99_ms=percentile(ttfts, 99),
         seconds=seconds,
@@ -285,7 +294,8 @@ TABLE_HEADER = (
     "gateways",
     "computed / floor",
     "hit rate",
-    "busiest / mean",
+    "busiest / mean (requests)",
+    "busiest / mean (load)",
     "TTFT p50 ms",
     "TTFT p99 ms",
     "requests",
@@ -302,6 +312,7 @@ def format_table(results: list[RunResult]) -> str:
             f"{r.against_floor:.2f}",
             f"{r.hit_rate:.2f}",
             f"{r.busiest_against_mean:.2f}",
+            f"{r.busiest_load_against_mean:.2f}",
             ms(r.ttft_p50_ms),
             ms(r.ttft_p99_ms),
             str(r.requests),
@@ -324,10 +335,10 @@ def verdicts(results: list[RunResult]) -> list[str]:
                 f"(target <= 1.15): {'met' if met else 'NOT met'}"
             )
         if workload == "hot":
-            met = r.busiest_against_mean <= 1.3
+            busiest = r.busiest_load_against_mean
             lines.append(
-                f"hot, {count} gateway(s): busiest engine {r.busiest_against_mean:.2f}x the "
-                f"mean (target <= 1.3): {'met' if met else 'NOT met'}"
+                f"hot, {count} gateway(s): busiest engine's load {busiest:.2f}x "
+                f"the mean (target <= 1.3): {'met' if busiest <= 1.3 else 'NOT met'}"
             )
     counts = sorted({c for _, c in kv})
     if len(counts) > 1:
@@ -379,8 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--cache-blocks", type=int, default=CacheModel.cache_blocks)
     parser.add_argument("--agents", type=int, default=8, help="instruction sets (agents)")
-    parser.add_argument("--users", type=int, default=128, help="conversations (agents)")
-    parser.add_argument("--hot-requests", type=int, default=1000)
+    parser.add_argument("--users", type=int, default=1024, help="conversations (agents)")
+    parser.add_argument("--turns", type=int, default=8, help="turns of a conversation (agents)")
+    parser.add_argument("--hot-requests", type=int, default=5000)
     parser.add_argument("--clients", type=int, default=64, help="concurrent clients")
     parser.add_argument("--max-tokens", type=int, default=4, help="tokens per answer")
     parser.add_argument(

@@ -32,6 +32,7 @@ import itertools
 import json
 import logging
 import signal
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -81,6 +82,10 @@ class Counts:
     # Most requests it held at once, and the sum of what each arrival found.
     peak_running: int = 0
     running_at_arrival: int = 0
+    # Seconds its requests were held, summed (queued for the prefill, prefilling
+    # and decoding): its load over a run, where a count of requests weighs a
+    # request that queued behind others' prefills as one that did not.
+    held_seconds: float = 0.0
 
 
 def described_tokenizer() -> protocol.Tokenizer:
@@ -195,6 +200,7 @@ class SimEngine:
         counts.running_at_arrival += self.running
         self.running += 1
         counts.peak_running = max(counts.peak_running, self.running)
+        arrived = time.monotonic()
         try:
             size = self.model.block_size
             keys = block_keys(sim.tokens, size)
@@ -222,6 +228,7 @@ class SimEngine:
                 ]
         finally:
             self.running -= 1
+            counts.held_seconds += time.monotonic() - arrived
         usage = protocol.Usage(len(sim.tokens), sim.max_tokens)
         yield [protocol.Delta(request_id=request_id, index=0, usage=usage)]
 

@@ -8,10 +8,9 @@ the prompt each engine holds. Among the workers within the prefix policy's
 load bound (``PrefixAffinity.bound``: a hot prefix spreads rather than piles
 onto one engine), the one holding the most prompt tokens takes it; ties go to
 the less loaded, then by rendezvous hashing, alike in every replica. A run
-of blocks that brings more of the recent traffic than its holders' share of
-the workers (a hot system prompt) goes to a less loaded worker instead,
-which then holds it too: it spreads over as many engines as its traffic
-needs.
+of blocks in much of the recent traffic (a hot system prompt) spreads over
+as many engines as its traffic needs, and each replica evens out its own
+requests over them.
 
 Where no worker within the bound holds any of it, the request is placed by
 rendezvous hashing of a key over the workers within the bound, load aside,
@@ -58,8 +57,7 @@ HEAT_HALF_LIFE = 2.0
 # few seconds): one conversation's turns never do.
 HOT_REQUESTS = 8.0
 # Blocks between the points a request is counted at (at vLLM's 16 tokens a
-# block, every 64 tokens); twice that is the most a request moved off a hot
-# run's holder may leave behind of its own.
+# block, every 64 tokens), and at each block past the last of them.
 HOT_STRIDE = 4
 # Characters of a prompt tokenized afresh to see whether any engine holds its
 # start (about 450 tokens of English text): at least PLACEMENT_BLOCKS blocks.
@@ -95,7 +93,7 @@ class CacheAware:
             )
             top = held.get(best.address, 0)
             if top:
-                return self._spread(best, top, chain, held, under, placement, context)
+                return self._spread(best, top, chain, held, under, context)
         return self._place(under, placement, context)
 
     def _spread(
@@ -105,40 +103,64 @@ class CacheAware:
         chain: tuple[int, list[int]],
         held: dict[str, int],
         under: list[Worker],
-        placement: str,
         context: RoutingContext,
     ) -> Worker:
         """``best`` holds the most of the prompt (``top`` tokens); unless the run it
         shares with other requests is hot, it takes the request.
 
         Requests are counted at every ``HOT_STRIDE``-th block of what is held
-        (``Heat``). A run that brought ``HOT_REQUESTS`` lately is hot: the least
-        loaded of its holders takes the request; and while the run brings more
-        of the traffic than its holders' share of the workers, a less loaded
-        worker that does not hold it yet takes it instead, and holds it from
-        then on. A hot system prompt so spreads over as many engines as its
-        traffic needs. Only a request that holds at most two strides past the
-        hot run moves: a conversation's history or a document, each its own
-        requests', stays where it is held."""
+        and at each block past the last of those (``Heat``). A run that
+        brought ``HOT_REQUESTS`` lately is hot, to the block. Then a request
+        that holds no more than a block of its own past the run (a first turn
+        behind shared instructions) goes to the holder of the run this gateway
+        has the fewest requests on: each replica evens out its own requests,
+        which evens out the sum, where the others' load, known from
+        heartbeats up to a second old, would send every replica to the same
+        one. And while the run has fewer holders than its share of the
+        workers times the load factor (the rest of the traffic lands on its
+        holders too), a worker that does not hold it yet and is no more
+        loaded than the least loaded holder takes it instead, and holds it
+        from then on. A request that holds more of its own (a conversation's
+        history) stays where it is held."""
         size, keys = chain
+        reach = min(top // size, len(keys))
+        # Counted at each stride, and at each block past the last one: where a
+        # first turn's held run ends (the shared part), every such request
+        # counts the same blocks.
+        last = reach - reach % HOT_STRIDE
+        depths = [*range(HOT_STRIDE, last + 1, HOT_STRIDE), *range(last + 1, reach + 1)]
+        counted: dict[int, float] = {}
         hot, share = 0, 0.0
-        for depth in range(HOT_STRIDE, min(top // size, len(keys)) + 1, HOT_STRIDE):
+        for depth in depths:
             requests, of_all = self._heat.count(keys[depth - 1])
-            if requests >= HOT_REQUESTS:
-                hot, share = depth * size, of_all
-        if not hot or top - hot > 2 * HOT_STRIDE * size:
+            counted[depth] = requests
+            if requests >= HOT_REQUESTS and depth % HOT_STRIDE == 0:
+                hot, share = depth, of_all
+        if not hot:
             return best
-        holding = [w for w in under if held.get(w.address, 0) >= hot]
-        holders = sum(1 for w in context.candidates if held.get(w.address, 0) >= hot)
+        # To the block: a request that holds more than the run (a turn after
+        # it) did not count the blocks past its stride, others did.
+        while hot < reach:
+            depth = hot + 1
+            lately = counted[depth] if depth in counted else self._heat.peek(keys[hot])
+            if lately < HOT_REQUESTS:
+                break
+            hot = depth
+        if top - hot * size > size:
+            return best
+        run = hot * size
+        holding = [w for w in under if held.get(w.address, 0) >= run]
+        holders = sum(1 for w in context.candidates if held.get(w.address, 0) >= run)
         # Ties at random: a hot run's requests all have the same placement
         # key, and a tie broken by it sends every one to the same worker.
         rng = self._rng.random
-        least = min(holding, key=lambda w: (load(w), rng()))
-        if holders < math.ceil(share * len(context.candidates)):
-            others = [w for w in under if held.get(w.address, 0) < hot]
+        least = min(holding, key=lambda w: (w.in_flight, rng()))
+        n = len(context.candidates)
+        if holders < min(n, math.ceil(share * n * self.affinity.load_factor)):
+            others = [w for w in under if held.get(w.address, 0) < run]
             if others:
                 idle = min(others, key=lambda w: (load(w), rng()))
-                if load(idle) < load(least):
+                if load(idle) <= min(load(w) for w in holding):
                     return idle
         return least
 
@@ -194,6 +216,13 @@ class CacheAware:
         """Nothing of the prompt is cached within the bound: its placement, or a new one."""
         if not under:
             return self.affinity.select(context)  # every worker at the bound
+        if not context.hinted:
+            # Without the slack: replicas that see each other's load a
+            # heartbeat late would each put that many of a burst of one new
+            # prompt on the same worker (8 replicas, 40 requests at once).
+            # A client's hint says its requests belong together: it keeps it.
+            tight = self.affinity.bound(context, slack=False)
+            under = [w for w in under if load(w) + 1 <= tight] or under
         home = self._placed.get(key)
         if home is not None:
             for worker in under:
@@ -227,6 +256,11 @@ class Heat:
         now = time.monotonic()
         self._total = self._total * math.exp(-self._rate * (now - self._at)) + 1.0
         self._at = now
+
+    def peek(self, key: int) -> float:
+        """The key's count, the request not counted under it."""
+        value, at = self._counts.get(key, (0.0, 0.0))
+        return value * math.exp(-self._rate * (time.monotonic() - at)) if value else 0.0
 
     def count(self, key: int) -> tuple[float, float]:
         """The request is counted under ``key`` too: the key's count, and its share

@@ -146,11 +146,18 @@ def test_what_nothing_holds_is_placed_by_its_document(
     tokenizer: PromptTokenizer, reference: Any
 ) -> None:
     fleet = Fleet(tokenizer, reference=reference, n=4)
-    # Before any event says where the document went, its questions land together.
+    for worker in fleet.workers:
+        worker.in_flight = 2  # other work
+    # Before any event says where the document went, its questions land
+    # together, up to the load factor (1.25 x 10 / 4 -> 4 requests)...
     first = fleet.route(chat(DOC_B, "What restarts shard 3?"))
     first.in_flight += 1
-    for question in ("And shard 9?", "Who restarts them?", "Which rule is last?"):
-        assert fleet.route(chat(DOC_B, question)) is first
+    assert fleet.route(chat(DOC_B, "And shard 9?")) is first
+    first.in_flight += 1
+    # ...but not up to the slack (ceil(11 / 4) + 2 = 5) as what a worker holds
+    # may: replicas that see each other's load late would each pile that
+    # many of a burst onto the same worker.
+    assert fleet.route(chat(DOC_B, "Who restarts them?")) is not first
 
 
 def test_a_client_hint_places_what_nothing_holds(
@@ -279,3 +286,30 @@ def test_a_few_turns_of_a_conversation_do_not_count_as_hot(
         history = [*history, {"role": "assistant", "content": "Yes."}]
         history = [*history, {"role": "user", "content": f"Turn {turn}?"}]
         assert fleet.route(history) is home
+
+
+def test_a_replica_evens_out_its_own_share_of_a_hot_prompt(
+    tokenizer: PromptTokenizer, reference: Any
+) -> None:
+    fleet = Fleet(tokenizer, reference=reference, n=4)
+    for worker in fleet.workers:
+        fleet.cached(worker, chat(DOC_A, "Warm-up."))
+    for i in range(8):  # the prompt turns hot
+        fleet.route(chat(DOC_A, f"Quick question {i}?"))
+    # The last heartbeats said worker 0 ran nothing for other replicas and
+    # the rest 2 each: every replica read the same, and each would send all
+    # its next requests to worker 0 if it went by that.
+    for worker in fleet.workers[1:]:
+        worker.others = 2
+    for i in range(8):
+        chosen = fleet.route(chat(DOC_A, f"Hot question {i}?"))
+        chosen.in_flight += 1
+    assert [w.in_flight for w in fleet.workers] == [2, 2, 2, 2]
+    # A conversation's next turn behind the hot prompt holds its first turn
+    # (a few blocks of its own) on worker 2: it stays there, the busiest.
+    answer = "The tenant pays forty credits, as clause forty says. " * 3
+    history = [*chat(DOC_A, "Hot question 0?"), {"role": "assistant", "content": answer}]
+    fleet.cached(fleet.workers[2], history)
+    fleet.workers[2].in_flight += 1
+    follow_up = [*history, {"role": "user", "content": "And the next one?"}]
+    assert fleet.route(follow_up) is fleet.workers[2]
