@@ -216,13 +216,6 @@ class CacheAware:
         """Nothing of the prompt is cached within the bound: its placement, or a new one."""
         if not under:
             return self.affinity.select(context)  # every worker at the bound
-        if not context.hinted:
-            # Without the slack: replicas that see each other's load a
-            # heartbeat late would each put that many of a burst of one new
-            # prompt on the same worker (8 replicas, 40 requests at once).
-            # A client's hint says its requests belong together: it keeps it.
-            tight = self.affinity.bound(context, slack=False)
-            under = [w for w in under if load(w) + 1 <= tight] or under
         home = self._placed.get(key)
         if home is not None:
             for worker in under:

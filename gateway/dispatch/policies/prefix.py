@@ -51,9 +51,8 @@ class PrefixAffinity:
         # key -> Worker.key of the worker it was placed on, oldest first.
         self._placed: OrderedDict[str, str] = OrderedDict()
 
-    def bound(self, context: RoutingContext, slack: bool = True) -> int:
-        """Most requests one worker may hold, counting the one being placed
-        (without the slack: for what no worker holds, with no history to keep)."""
+    def bound(self, context: RoutingContext) -> int:
+        """Most requests one worker may hold, counting the one being placed."""
         # The slack is for small loads, where a ratio alone is a hair trigger:
         # with two workers and two requests on the home worker, 1.25 times the
         # mean (1.5) would move the third away, and the worker it moves to
@@ -63,7 +62,7 @@ class PrefixAffinity:
         # way, until loads differ by an absolute and a relative threshold.
         total = sum(load(w) for w in context.candidates) + 1
         workers = len(context.candidates)
-        over_mean = -(-total // workers) + self.slack if slack else 0  # ceil(mean) + slack
+        over_mean = -(-total // workers) + self.slack  # ceil(mean) + slack, in integers
         return max(1, math.ceil(self.load_factor * total / workers), over_mean)
 
     def select(self, context: RoutingContext) -> Worker:
