@@ -115,6 +115,12 @@ QUEUE_DEPTH = Gauge(
     "llmgate_queue_depth", "Requests waiting for a free worker slot.", multiprocess_mode="livesum"
 )
 RETRIES = Counter("llmgate_retries", "Requests re-sent to another worker, by reason.", ["reason"])
+MIGRATIONS = Counter(
+    "llmgate_migrations",
+    "Streams moved to another worker mid-answer, by reason (worker_lost, worker_draining, "
+    "gateway_silent, worker_refused).",
+    ["reason"],
+)
 REJECTED = Counter(
     "llmgate_rejected",
     "Requests refused before reaching a worker, by reason "

@@ -111,8 +111,12 @@ class FakeEngine:
         capacity: int = 1024,
         max_model_len: int = 4096,
         gate: Gate | None = None,
+        token_id: int = 1,
     ) -> None:
         self.served_model_names = served_model_names
+        # The id each token goes out under: a fault test that has a real
+        # engine continue a double's answer gives one of the model's.
+        self.token_id = token_id
         self.tokens = tokens
         self.token_interval = token_interval
         self.gate = gate or Gate(-1)
@@ -141,15 +145,22 @@ class FakeEngine:
         raise RequestError(503, "the FAKE engine has no vLLM server for this request")
 
     async def prepare(
-        self, kind: protocol.RequestKind, params: dict[str, Any]
+        self,
+        kind: protocol.RequestKind,
+        params: dict[str, Any],
+        continuation: list[int] | None = None,
     ) -> list[PreparedPrompt]:
-        max_tokens = self.tokens or requested_tokens(params)
+        carried = len(continuation or ())
+        max_tokens = (self.tokens or requested_tokens(params)) - carried
+        if max_tokens <= 0:
+            raise RequestError(400, "The continued answer has no tokens left to generate.")
         fake = FakeParams(
             n=int(params.get("n") or 1),
             max_tokens=max_tokens,
             logprobs=params.get("logprobs") not in (None, False),
         )
-        return [PreparedPrompt(None, fake, rough_prompt_tokens(kind, params))]
+        prompt = rough_prompt_tokens(kind, params) + carried
+        return [PreparedPrompt(None, fake, prompt, carried=carried)]
 
     async def run(
         self,
@@ -173,13 +184,14 @@ class FakeEngine:
                     delay = start + step * self.token_interval - loop.time()
                     await asyncio.sleep(max(delay, 0.0))
                 last = step == fake.max_tokens - 1
-                named = [protocol.TokenLogprob(TOKEN_TEXT, -1.0, token_id=1)]
+                named = [protocol.TokenLogprob(TOKEN_TEXT, -1.0, token_id=self.token_id)]
                 yield [
                     protocol.Delta(
                         request_id=request_id,
                         index=index,
                         text=TOKEN_TEXT,
                         num_tokens=1,
+                        token_ids=[self.token_id],
                         logprobs=named if fake.logprobs else None,
                         finish_reason="length" if last else None,
                     )
@@ -187,7 +199,10 @@ class FakeEngine:
                 ]
         finally:
             self.running -= 1
-        usage = protocol.Usage(prompts[0].prompt_tokens, fake.max_tokens * fake.n)
+        prompt = prompts[0]
+        usage = protocol.Usage(
+            prompt.prompt_tokens - prompt.carried, fake.max_tokens * fake.n + prompt.carried
+        )
         yield [protocol.Delta(request_id=request_id, index=0, usage=usage)]
 
     def load(self) -> tuple[int, int, float]:
@@ -240,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--control", default="", help="ZeroMQ address to bind for 'release'/'hold' commands"
     )
+    parser.add_argument(
+        "--token-id", type=int, default=1, help="the id its tokens go out under (fault tests)"
+    )
     parser.add_argument("--log-level", default="warning")
     return parser
 
@@ -257,6 +275,7 @@ def main(argv: list[str] | None = None) -> None:
         token_interval=namespace.token_interval_ms / 1000,
         capacity=namespace.capacity,
         gate=Gate(namespace.hold_after),
+        token_id=namespace.token_id,
     )
     log.warning("FAKE engine: answers %r tokens with no model (a benchmark double)", TOKEN_TEXT)
     try:

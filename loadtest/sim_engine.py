@@ -177,7 +177,10 @@ class SimEngine:
         raise RequestError(503, "the SIMULATED engine has no vLLM server")
 
     async def prepare(
-        self, kind: protocol.RequestKind, params: dict[str, Any]
+        self,
+        kind: protocol.RequestKind,
+        params: dict[str, Any],
+        continuation: list[int] | None = None,
     ) -> list[PreparedPrompt]:
         read = prompt_tokens(self.tokenizer, kind, params)
         if read is None:

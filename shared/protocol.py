@@ -56,6 +56,11 @@ class Generate(_Message, tag="gen"):
     # ``engine_priority`` of its band and its rank in the band. Workers apply
     # it only under ``--scheduling-policy priority`` (their default).
     priority: int = 0
+    # A request that moved from a worker that failed mid-answer: the token
+    # ids its one choice generated there. The worker renders the prompt as
+    # for a new request, appends these and generates the rest, counting them
+    # in ``max_tokens`` and in the usage as tokens of the answer.
+    continuation: list[int] | None = None
 
 
 # Priority bands, first first: a request's band is its API key's, or a lower
@@ -159,6 +164,9 @@ class Delta(msgspec.Struct, array_like=True, gc=False):
     # what a request that ends before its usage (a client gone, a stream cut)
     # is billed for.
     prompt_tokens: int = 0
+    # The ids of this delta's ``num_tokens`` tokens: what a request that moves
+    # to another worker mid-answer continues from (``Generate.continuation``).
+    token_ids: list[int] | None = None
 
 
 class Deltas(_Message, tag="deltas"):

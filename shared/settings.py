@@ -228,6 +228,13 @@ class RoutingSettings(Settings):
             "dropped it) before any output"
         ),
     ] = 2
+    max_migrations: Annotated[
+        int,
+        _help(
+            "times a stream moves on to another worker when its worker fails it mid-answer, "
+            "continuing from the tokens already sent (0: it ends with an error event)"
+        ),
+    ] = 2
 
 
 class CacheSettings(Settings):

@@ -190,12 +190,15 @@ class Engine:
         return priority if self.priority_scheduling else 0
 
     async def prepare(
-        self, kind: protocol.RequestKind, params: dict[str, Any]
+        self,
+        kind: protocol.RequestKind,
+        params: dict[str, Any],
+        continuation: list[int] | None = None,
     ) -> list[PreparedPrompt]:
         """Validate, render and tokenize one request: one entry per prompt."""
         if self.preparer is None:
             raise _not_started()
-        return await self.preparer.prepare(kind, params)
+        return await self.preparer.prepare(kind, params, continuation)
 
     async def run(
         self,

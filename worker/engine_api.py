@@ -48,10 +48,15 @@ class ModelEngine(Protocol):
         ...
 
     async def prepare(
-        self, kind: protocol.RequestKind, params: dict[str, Any]
+        self,
+        kind: protocol.RequestKind,
+        params: dict[str, Any],
+        continuation: list[int] | None = None,
     ) -> list[PreparedPrompt]:
         """Validate, render and tokenize one request: one entry per prompt;
-        raises ``worker.errors.RequestError`` for what it refuses."""
+        raises ``worker.errors.RequestError`` for what it refuses. With a
+        ``continuation`` (``Generate.continuation``), its one prompt goes on
+        from those tokens (``worker.continuation``)."""
         ...
 
     def run(

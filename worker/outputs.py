@@ -82,18 +82,26 @@ class RequestDeltas:
                     ),
                     finish_reason=choice.finish_reason,
                     stop_reason=choice.stop_reason,
+                    token_ids=list(choice.token_ids),
                 )
             )
         if deltas and not self.prompt_tokens_told:
             self.prompt_tokens_told = True
-            deltas[0].prompt_tokens = sum(p.prompt_tokens for p in self.prompts)
+            deltas[0].prompt_tokens = self.prompt_tokens
         return deltas
 
+    @property
+    def prompt_tokens(self) -> int:
+        """The request's prompt tokens: a continued answer's carried tokens
+        (``PreparedPrompt.carried``) count as the answer's, not the prompt's."""
+        return sum(p.prompt_tokens - p.carried for p in self.prompts)
+
     def usage(self) -> list[protocol.Delta]:
-        """The request's last item: its usage, every prompt and choice counted."""
+        """The request's last item: its usage, every prompt and choice counted
+        (a continued answer's, both parts)."""
         usage = protocol.Usage(
-            prompt_tokens=sum(p.prompt_tokens for p in self.prompts),
-            completion_tokens=self.completion_tokens,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens + sum(p.carried for p in self.prompts),
         )
         return [protocol.Delta(request_id=self.request_id, index=0, usage=usage)]
 

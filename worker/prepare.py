@@ -41,6 +41,9 @@ class PreparedPrompt:
     echo_text: str | None = None
     # Prompted key -> plain key, when the schema prompts inside keys (worker.json_spans).
     key_prompts: dict[str, str] | None = None
+    # Tokens of the answer generated before, on a worker that failed: the
+    # prompt's last ``carried`` tokens (``Generate.continuation``).
+    carried: int = 0
 
 
 class Preparer:
@@ -65,9 +68,13 @@ class Preparer:
         self.default_sampling_params = default_sampling_params
 
     async def prepare(
-        self, kind: protocol.RequestKind, params: dict[str, Any]
+        self,
+        kind: protocol.RequestKind,
+        params: dict[str, Any],
+        continuation: list[int] | None = None,
     ) -> list[PreparedPrompt]:
-        """Validate, render and tokenize one request: one entry per prompt."""
+        """Validate, render and tokenize one request: one entry per prompt; with a
+        ``continuation``, its one prompt goes on from those tokens."""
         applied = json_spans.apply(kind, params)
         if applied.grammar_rules:
             log.info(
@@ -96,6 +103,10 @@ class Preparer:
                     applied.key_prompts or None,
                 )
             )
+        if continuation:
+            from worker.continuation import continued
+
+            return continued(prepared, continuation, self.model_config)
         return prepared
 
     async def render(self, kind: protocol.RequestKind, request: Any) -> list[Any]:

@@ -237,7 +237,9 @@ class WorkerServer:
                     request_id, message.params, message.model, message.priority
                 )
             else:
-                prompts = await self.engine.prepare(message.kind, message.params)
+                prompts = await self.engine.prepare(
+                    message.kind, message.params, message.continuation
+                )
                 outputs = self.engine.run(
                     request_id, prompts, message.trace, message.model, message.priority
                 )

@@ -36,7 +36,7 @@ def retryable(failure: Failure) -> bool:
     return isinstance(failure, WorkerLost) or failure.status == 503
 
 
-def _reason(failure: Failure) -> str:
+def reason_of(failure: Failure) -> str:
     """The retries metric's label: what the worker said of its 503 (known
     causes only: a label value must not come from the wire unchecked)."""
     if isinstance(failure, WorkerLost):
@@ -66,7 +66,7 @@ class Retries(msgspec.Struct, frozen=True):
             raise errors.UpstreamFailed(f"The request failed {failures} times; last: {message}.")
         # A worker that dropped the request because this gateway went quiet
         # (paused or starved) did so for no fault of its own: it may run it again.
-        silent = _reason(failure) == protocol.GATEWAY_SILENT
+        silent = reason_of(failure) == protocol.GATEWAY_SILENT
         tried = self.tried if silent else self.tried | {worker}
         return Retries(self.limit, failures, tried, message)
 
@@ -123,19 +123,30 @@ class Attempts:
             self.forget_output()
 
     async def start(
-        self, target: Target, raw: dict[str, Any]
+        self,
+        target: Target,
+        raw: dict[str, Any],
+        continuation: list[int] | None = None,
+        avoid: frozenset[str] = frozenset(),
+        movable: bool = False,
     ) -> tuple[RequestHandle, protocol.Delta]:
         """Run the request on ``target`` until its first delta, retrying while it
         may; its handle, from then on a stream's (it is no longer retried), and
-        that delta. The caller closes the handle."""
-        retries = Retries(self.max_retries)
+        that delta. The caller closes the handle.
+
+        A stream that moves on from a failed worker (``gateway.api.migration``)
+        passes the tokens it generated (``continuation``) and that worker
+        (``avoid``); a stream that can move (``movable``) does not wait for a
+        silent worker, as one that cannot does (``Delivery.streaming``)."""
+        retries = Retries(self.max_retries, tried=avoid)
         while True:
-            handle = await self._submit(target, raw, retries)
+            handle = await self._submit(target, raw, retries, continuation)
             first: protocol.Delta | Failure | None = None
             try:
                 first = await handle.next()
                 if isinstance(first, protocol.Delta):
-                    handle.mark_streaming()
+                    if not movable:
+                        handle.mark_streaming()
                     return handle, first
                 retries = self._retry(retries, handle, first)
             finally:
@@ -153,7 +164,13 @@ class Attempts:
         if self.recorded is not None:
             self.recorded.clear()
 
-    async def _submit(self, target: Target, raw: dict[str, Any], retries: Retries) -> RequestHandle:
+    async def _submit(
+        self,
+        target: Target,
+        raw: dict[str, Any],
+        retries: Retries,
+        continuation: list[int] | None = None,
+    ) -> RequestHandle:
         span = self.span
         try:
             order = WorkOrder(
@@ -167,6 +184,7 @@ class Attempts:
                 self.band,
                 self.tenant,
                 self.hinted,
+                continuation,
             )
             queued = (lambda: span.event("queued")) if span.on else None
             handle = await self.pool.submit(order, retries.tried, queued)
@@ -196,7 +214,7 @@ class Attempts:
             raise errors.from_status(failure.status, failure.message, failure.param)
         worker = handle.answered_by.address
         retries = retries.after(failure, worker)
-        reason = _reason(failure)
+        reason = reason_of(failure)
         where = "on any worker" if reason == protocol.GATEWAY_SILENT else "on another worker"
         metrics.RETRIES.labels(reason).inc()
         log.info("retrying %s: %s on %s", where, retries.last_failure, worker, extra=self.log_extra)

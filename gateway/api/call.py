@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from gateway import errors, tracing
+from gateway.api import migration
 from gateway.api.accounting import Accounting
 from gateway.api.attempts import Attempts
 from gateway.api.bands import asked_band
@@ -220,7 +221,15 @@ class Call:
         # Nothing goes out before the first delta: an error the engine finds up
         # front (a prompt longer than the context, a bad parameter) still gets
         # its status code, and a worker lost before any output is retried.
-        handle, first = await attempts.start(target, self.wire)
+        movable = self.settings.routing.max_migrations > 0 and migration.movable(
+            self.kind, self.wire
+        )
+        handle, first = await attempts.start(target, self.wire, movable=movable)
+        if movable and handle.answered_by.chat_parser:
+            # Its worker parses tools or reasoning from the stream: that state
+            # stays there, and so does the stream, waiting out a stall.
+            movable = False
+            handle.mark_streaming()
         headers = self._headers(handle.answered_by)
 
         async def store(usage: protocol.Usage) -> None:
@@ -230,12 +239,35 @@ class Call:
 
         # From here a client that leaves is the cancellation or closing of this
         # body (EventStream), which aborts the request on its worker.
-        body = relay(handle, first, self.builder, self.account, attempts.recorded, store)
+        body = relay(
+            handle,
+            first,
+            self.builder,
+            self.account,
+            attempts.recorded,
+            store,
+            self._resume(attempts, target) if movable else None,
+            self.settings.routing.max_migrations,
+        )
         return EventStream(
             body,
             release=lambda: self._release_stream(handle),
             headers={**STREAM_HEADERS, **headers},
         )
+
+    def _resume(self, attempts: Attempts, target: Target) -> migration.Resume:
+        """How the stream goes on on another worker (``gateway.api.migration``)."""
+        wire = self.wire
+        assert wire is not None
+
+        async def resume(
+            continuation: list[int], failed: str
+        ) -> tuple[RequestHandle, protocol.Delta]:
+            return await attempts.start(
+                target, wire, continuation, avoid=frozenset({failed}), movable=True
+            )
+
+        return resume
 
     def _headers(self, answered_by: Answerer) -> dict[str, str]:
         """Who answered: the worker, its served model and pool, the auto rule;

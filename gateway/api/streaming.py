@@ -5,7 +5,8 @@ request can no longer be retried). A client that goes away cancels it (or
 closes it) there, and its ``finally`` clause lets go of the request: the
 handle closes, aborting it on the worker, and the request is counted. A
 worker that fails or is lost from then on ends the stream with an error
-event.
+event, unless the stream moves on to another worker
+(``gateway.api.migration``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from gateway import errors, metrics
 from gateway.api.accounting import Accounting
+from gateway.api.migration import Resume, Seam, moved_error
 from gateway.dialects import sse
 from gateway.dispatch.handle import Item, RequestHandle, WorkerLost
 from shared import protocol
@@ -31,11 +33,15 @@ async def relay(
     account: Accounting,
     recorded: list[protocol.Delta] | None,
     store: Callable[[protocol.Usage], Awaitable[None]],
+    resume: Resume | None = None,
+    max_moves: int = 0,
 ) -> AsyncIterator[bytes]:
     """The events of ``handle``'s output from ``first`` on, through ``builder``.
 
     ``recorded`` keeps the deltas while the response cache may store the
-    answer; ``store(usage)`` stores it once it finished normally.
+    answer; ``store(usage)`` stores it once it finished normally. With
+    ``resume``, the stream may move to another worker up to ``max_moves``
+    times (``gateway.api.migration``).
     """
     include_usage = builder.include_usage
     # Log lines about the stream name its request (shared.logs).
@@ -45,8 +51,20 @@ async def relay(
     status = 200
     usage = None
     itl = metrics.child(metrics.ITL, account.model)
+    seam = Seam(max_moves, resume) if resume is not None and max_moves > 0 else None
     try:
         while True:
+            if seam is not None and not isinstance(item, protocol.Delta):
+                try:
+                    moved = await seam.move(item, handle, account.span, log_extra)
+                except errors.GatewayError as exc:
+                    status = exc.status
+                    log.warning("stream cut, and it found no worker: %s", exc, extra=log_extra)
+                    yield builder.error_event(moved_error(exc))
+                    break
+                if moved is not None:
+                    handle, item = moved
+                    continue
             if isinstance(item, protocol.Failed):
                 status = item.status
                 # A stream under way ends early: worth a line, whatever the status.
@@ -81,11 +99,15 @@ async def relay(
             chunks = [builder.chunk(item)]
             if recorded is not None:
                 recorded.append(item)
+            if seam is not None:
+                seam.add(item)
             waiting = handle.next_nowait()
             while isinstance(waiting, protocol.Delta) and waiting.usage is None:
                 chunks.append(builder.chunk(waiting))
                 if recorded is not None:
                     recorded.append(waiting)
+                if seam is not None:
+                    seam.add(waiting)
                 waiting = handle.next_nowait()
             yield chunks[0] if len(chunks) == 1 else b"".join(chunks)
             try:
@@ -106,4 +128,5 @@ async def relay(
     finally:
         handle.close()
         # Cut or left before its usage came: billed what the engine computed.
-        account.finish(status, usage or handle.computed())
+        computed = seam.computed(handle) if seam is not None else handle.computed()
+        account.finish(status, usage or computed)

@@ -198,6 +198,7 @@ class Pool:
             # Its band, and in it its key's place by fair sharing (the
             # engine's queue holds every gateway's requests).
             priority=protocol.engine_priority(order.band, self.admission.rank(tenant)),
+            continuation=order.continuation,
         )
         try:
             # Leaves at the end of this loop turn; if the connection turns out

@@ -44,6 +44,9 @@ class WorkOrder(msgspec.Struct, frozen=True):
     # Whether ``key`` is the client's hint (X-Session-Id, prompt_cache_key):
     # every policy honours it.
     hinted: bool = False
+    # A stream moved mid-answer: the token ids generated so far, which the
+    # worker continues from (``protocol.Generate.continuation``).
+    continuation: list[int] | None = None
 
     @property
     def low_priority(self) -> bool:

@@ -1,0 +1,131 @@
+"""Streams move on when their worker dies or stops mid-answer, on the held double.
+
+Two held workers behind a round-robin gateway: streams sent one after
+another land half on each, and each holds after its first tokens (the
+double's gate), so the victim holds streams under way when the fault lands.
+The victim is killed (its connection drops) or stopped (its heartbeats
+lapse); its streams go on on the other worker from the tokens they had
+sent, and once that one is let go every stream ends whole: one id, every
+token once, no error event, its usage counting both parts. What the real
+engine makes of the tokens it is handed: tests/integration/test_two_workers.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from loadtest.fake_engine import TOKEN_TEXT
+from tests.faults.held import BODY, TOKENS, HeldWorker, http_client
+from tests.faults.test_two_workers import two_held
+from tests.harness.waiting import wait_until
+from tests.integration.test_pool import metric
+
+# Streams sent; half land on the victim.
+STREAMS = 4
+
+
+@dataclass
+class PlainStream:
+    """A completions stream read as a client reads it (no logprobs: such a stream moves)."""
+
+    worker: str | None = None
+    ids: set[str] = field(default_factory=set)
+    text: str = ""
+    usage: dict[str, int] | None = None
+    error: str | None = None
+    done: bool = False
+
+
+async def read_plain(client: httpx.AsyncClient, first: asyncio.Event) -> PlainStream:
+    stream = PlainStream()
+    body = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        stream.worker = response.headers.get("x-llmgate-worker")
+        async for line in response.aiter_lines():
+            if line == "data: [DONE]":
+                stream.done = True
+            elif line.startswith("data: "):
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    stream.error = chunk["error"]["message"]
+                    continue
+                stream.ids.add(chunk["id"])
+                if chunk.get("usage"):
+                    stream.usage = chunk["usage"]
+                for choice in chunk["choices"]:
+                    stream.text += choice["text"]
+                first.set()
+    return stream
+
+
+def whole(stream: PlainStream) -> bool:
+    """Ended normally, one id, every token once, its usage counting them all."""
+    return (
+        stream.error is None
+        and stream.done
+        and len(stream.ids) == 1
+        and stream.text == TOKEN_TEXT * TOKENS
+        and stream.usage is not None
+        and stream.usage["completion_tokens"] == TOKENS
+    )
+
+
+async def start_streams(client: httpx.AsyncClient) -> list[asyncio.Future[PlainStream]]:
+    """``STREAMS`` streams, each under way before the next is sent."""
+    streams = []
+    for _ in range(STREAMS):
+        first = asyncio.Event()
+        streams.append(asyncio.ensure_future(read_plain(client, first)))
+        await asyncio.wait_for(first.wait(), 60)
+    return streams
+
+
+def run_fault(tmp_path: Path, fault: str) -> tuple[list[PlainStream], HeldWorker, str]:
+    with two_held(tmp_path, stall_timeout="300") as (victim, other, gateway):
+
+        async def scenario() -> list[PlainStream]:
+            async with http_client(gateway) as client:
+                streams = await start_streams(client)
+                if fault == "kill":
+                    victim.proc.kill()
+                else:
+                    victim.process.suspend()
+                try:
+                    await asyncio.to_thread(
+                        wait_until,
+                        lambda: (
+                            metric(gateway.base_url, "llmgate_migrations_total") == STREAMS // 2
+                        ),
+                        f"{STREAMS // 2} streams moved",
+                    )
+                finally:
+                    if fault == "stop":
+                        victim.process.resume()
+                other.say("release")
+                return list(await asyncio.gather(*streams))
+
+        streams = asyncio.run(scenario())
+        return streams, victim, gateway.log_path.read_text(errors="replace")
+
+
+def test_a_killed_worker_s_streams_move_on_whole(tmp_path: Path) -> None:
+    streams, victim, log = run_fault(tmp_path, "kill")
+    assert all(whole(s) for s in streams), streams
+    # Half started on the victim (the header says where a stream began).
+    assert sum(s.worker == victim.address for s in streams) == STREAMS // 2, streams
+    assert log.count("moving the stream on from") == STREAMS // 2, log
+    assert "stream cut" not in log, log
+
+
+def test_a_stopped_worker_s_streams_move_on_once_its_heartbeats_lapse(tmp_path: Path) -> None:
+    """SIGSTOP: past --heartbeat-timeout (3 s) its streams move, rather than
+    wait out --stall-timeout (300 s here) as a stream that cannot move does."""
+    streams, victim, log = run_fault(tmp_path, "stop")
+    assert all(whole(s) for s in streams), streams
+    assert sum(s.worker == victim.address for s in streams) == STREAMS // 2, streams
+    assert "stream cut" not in log, log
