@@ -13,8 +13,6 @@ engine makes of the tokens it is handed: tests/integration/test_two_workers.py.
 from __future__ import annotations
 
 import asyncio
-import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -23,44 +21,11 @@ from loadtest.fake_engine import TOKEN_TEXT
 from tests.faults.held import BODY, TOKENS, HeldWorker, http_client
 from tests.faults.test_two_workers import two_held
 from tests.harness.waiting import wait_until
+from tests.integration.streams import PlainStream, read_plain
 from tests.integration.test_pool import metric
 
 # Streams sent; half land on the victim.
 STREAMS = 4
-
-
-@dataclass
-class PlainStream:
-    """A completions stream read as a client reads it (no logprobs: such a stream moves)."""
-
-    worker: str | None = None
-    ids: set[str] = field(default_factory=set)
-    text: str = ""
-    usage: dict[str, int] | None = None
-    error: str | None = None
-    done: bool = False
-
-
-async def read_plain(client: httpx.AsyncClient, first: asyncio.Event) -> PlainStream:
-    stream = PlainStream()
-    body = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        stream.worker = response.headers.get("x-llmgate-worker")
-        async for line in response.aiter_lines():
-            if line == "data: [DONE]":
-                stream.done = True
-            elif line.startswith("data: "):
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    stream.error = chunk["error"]["message"]
-                    continue
-                stream.ids.add(chunk["id"])
-                if chunk.get("usage"):
-                    stream.usage = chunk["usage"]
-                for choice in chunk["choices"]:
-                    stream.text += choice["text"]
-                first.set()
-    return stream
 
 
 def whole(stream: PlainStream) -> bool:
@@ -80,7 +45,8 @@ async def start_streams(client: httpx.AsyncClient) -> list[asyncio.Future[PlainS
     streams = []
     for _ in range(STREAMS):
         first = asyncio.Event()
-        streams.append(asyncio.ensure_future(read_plain(client, first)))
+        reading = read_plain(client, "/v1/completions", BODY, first.set)
+        streams.append(asyncio.ensure_future(reading))
         await asyncio.wait_for(first.wait(), 60)
     return streams
 

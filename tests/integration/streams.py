@@ -110,3 +110,48 @@ async def read_stream(
     except httpx.HTTPError as exc:
         stream.error = repr(exc)
     return stream
+
+
+@dataclass
+class PlainStream:
+    """A stream read as a client reads it, without logprobs (such a stream may
+    move to another worker mid-answer: gateway/api/migration.py)."""
+
+    worker: str | None = None
+    # Every chunk's id: one, for a stream that reads as one.
+    ids: set[str] = field(default_factory=set)
+    text: str = ""
+    usage: dict[str, int] | None = None
+    error: str | None = None
+    done: bool = False
+
+
+async def read_plain(
+    client: httpx.AsyncClient,
+    path: str,
+    body: dict[str, Any],
+    on_first_chunk: Callable[[], None] | None = None,
+) -> PlainStream:
+    """POST a streaming completions or chat request (usage included) and read it
+    to its end: its text (a chat's content), usage, chunk ids and error event."""
+    stream = PlainStream()
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", path, json=body) as response:
+        stream.worker = response.headers.get("x-llmgate-worker")
+        async for line in response.aiter_lines():
+            if line == "data: [DONE]":
+                stream.done = True
+            elif line.startswith("data: "):
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    stream.error = chunk["error"]["message"]
+                    continue
+                stream.ids.add(chunk["id"])
+                stream.usage = chunk.get("usage") or stream.usage
+                for choice in chunk["choices"]:
+                    delta = choice.get("delta")
+                    stream.text += (delta.get("content") or "") if delta else choice["text"]
+                if on_first_chunk is not None:
+                    on_first_chunk()
+                    on_first_chunk = None
+    return stream

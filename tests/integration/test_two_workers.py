@@ -36,7 +36,7 @@ from tests.conftest import (
     stop_serve,
 )
 from tests.harness import prestart
-from tests.integration.streams import Stream, read_stream
+from tests.integration.streams import PlainStream, Stream, read_plain, read_stream
 from tests.integration.test_pool import metric, metric_reaches, value_in, wait_for
 
 pytestmark = pytest.mark.slow
@@ -423,41 +423,24 @@ def test_streams_move_on_to_a_real_engine_when_their_worker_is_killed(
         )
         try:
 
-            async def read(client: httpx.AsyncClient, i: int, first: asyncio.Event) -> dict:
-                body = {
+            def greedy(i: int) -> dict[str, Any]:
+                return {
                     "model": MODEL,
                     "messages": chat(i),
                     "max_tokens": tokens,
                     "temperature": 0,
                     "ignore_eos": True,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
                 }
-                out: dict[str, Any] = {"ids": set(), "text": "", "error": None, "usage": None}
-                async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-                    out["worker"] = r.headers.get("x-llmgate-worker")
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data: {"):
-                            continue
-                        chunk = json.loads(line[6:])
-                        if "error" in chunk:
-                            out["error"] = chunk["error"]["message"]
-                            continue
-                        out["ids"].add(chunk["id"])
-                        out["usage"] = chunk.get("usage") or out["usage"]
-                        for choice in chunk["choices"]:
-                            out["text"] += choice["delta"].get("content") or ""
-                        first.set()
-                return out
 
-            async def run() -> list[dict]:
+            async def run() -> list[PlainStream]:
                 async with httpx.AsyncClient(
                     base_url=gateway.base_url, timeout=300, limits=httpx.Limits(max_connections=64)
                 ) as client:
                     tasks = []
                     for i in range(streams):  # round-robin: every other one on the double
                         first = asyncio.Event()
-                        tasks.append(asyncio.ensure_future(read(client, i, first)))
+                        reading = read_plain(client, "/v1/chat/completions", greedy(i), first.set)
+                        tasks.append(asyncio.ensure_future(reading))
                         await asyncio.wait_for(first.wait(), 120)
                     held.proc.kill()
                     return list(await asyncio.gather(*tasks))
@@ -469,30 +452,32 @@ def test_streams_move_on_to_a_real_engine_when_their_worker_is_killed(
             seam = [fake_id, fake_id]
             references = {}
             for i, outcome in enumerate(outcomes):
-                if outcome["worker"] != held.address:
+                if outcome.worker != held.address:
                     continue
                 text = tokenizer.apply_chat_template(
                     chat(i), add_generation_prompt=True, tokenize=False
                 )
                 prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
-                body = {
+                alone = {
                     "model": MODEL,
                     "prompt": [*prompt, *seam],
                     "max_tokens": tokens - len(seam),
                     "temperature": 0,
                     "ignore_eos": True,
                 }
-                answer = httpx.post(f"{gateway.base_url}/v1/completions", json=body, timeout=120)
+                answer = httpx.post(f"{gateway.base_url}/v1/completions", json=alone, timeout=120)
                 assert answer.status_code == 200, answer.text
                 references[i] = answer.json()["choices"][0]["text"]
         finally:
             stop_serve(gateway)
 
-    errors = [o for o in outcomes if o["error"] is not None]
+    errors = [o for o in outcomes if o.error is not None or not o.done]
     assert not errors, errors
-    assert all(len(o["ids"]) == 1 and o["usage"]["completion_tokens"] == tokens for o in outcomes)
+    assert all(
+        len(o.ids) == 1 and (o.usage or {}).get("completion_tokens") == tokens for o in outcomes
+    )
     assert len(references) == streams // 2 == moved, outcomes
-    continued = {i: outcomes[i]["text"] for i in references}
+    continued = {i: outcomes[i].text for i in references}
     assert all(text.startswith(" fake fake") for text in continued.values()), continued
     same = sum(continued[i] == " fake fake" + references[i] for i in references)
     print("migration report:", json.dumps({"moved": moved, "same_as_alone": same}))
