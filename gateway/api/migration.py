@@ -20,6 +20,7 @@ character) are generated again by the next worker rather than carried.
 from __future__ import annotations
 
 import logging
+from array import array
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -88,9 +89,10 @@ class Seam:
         self.limit = limit
         self.resume = resume
         self.moves = 0
-        # Token ids of the answer so far; None once a worker sent a delta
-        # without them (then it cannot move).
-        self.ids: list[int] | None = []
+        # Token ids of the answer so far, 4 bytes each (a list would keep an
+        # object per id: a megabyte for a 32k-token answer); None once a
+        # worker sent a delta without them (then it cannot move).
+        self.ids: array[int] | None = array("i")
         # The last of them whose text the engine held back (the start of a
         # multi-byte character): the next worker generates them again.
         self.held = 0
@@ -144,7 +146,7 @@ class Seam:
             log.info("stream whole but for its usage (%s): ended here", reason, extra=log_extra)
             return handle, protocol.Delta(request_id=handle.request_id, index=0, usage=usage)
         self.moves += 1
-        continuation = self.ids[: len(self.ids) - self.held]
+        continuation = self.ids[: len(self.ids) - self.held].tolist()
         metrics.MIGRATIONS.labels(reason).inc()
         log.info(
             "moving the stream on from %s (%s) after %d tokens",
