@@ -121,6 +121,11 @@ MIGRATIONS = Counter(
     "gateway_silent, worker_refused).",
     ["reason"],
 )
+MIGRATED_TOKENS = Counter(
+    "llmgate_migrated_tokens",
+    "Tokens of moved streams' answers handed to the next worker, which computes "
+    "them again as part of its prompt.",
+)
 REJECTED = Counter(
     "llmgate_rejected",
     "Requests refused before reaching a worker, by reason "

@@ -31,6 +31,11 @@ Scenarios (``--scenario``, default ``all``, run one after the other):
 * ``budget`` (not part of ``all``; ``loadtest.budget_race``): a key's daily
   token budget under 64 requests at once over two gateways sharing Redis,
   ``--race-runs`` (10) times: how far spend went past the budget.
+* ``rolling`` (not part of ``all``; ``loadtest.rolling``): ``--chat-users``
+  streaming clients over two workers, ``--duration`` seconds undisturbed,
+  then every worker restarted in turn (SIGHUP to ``llmgate serve``) under
+  the same load: client-visible errors, p50/p99 latency and TTFT of each
+  phase, streams moved and tokens computed again.
 
 Each run (scenario or sweep step) is its own headless Locust process; the
 first ``--warmup`` seconds of each are not counted. Throughput is the number
@@ -87,6 +92,7 @@ SPILLOVER = "spillover"
 BATCH = "batch"
 TENANTS = "tenants"
 BUDGET = "budget"
+ROLLING = "rolling"
 # Seconds past a run's planned end before its Locust process counts as hung.
 LOCUST_GRACE_S = 120.0
 # Measured seconds of seed and chat-stream when --duration is not given.
@@ -257,7 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add(
         "--scenario",
-        choices=[*SCENARIOS, "all", *CAPACITY_SCENARIOS, SPILLOVER, BATCH, TENANTS, BUDGET],
+        choices=[
+            *(*SCENARIOS, "all", *CAPACITY_SCENARIOS),
+            *(SPILLOVER, BATCH, TENANTS, BUDGET, ROLLING),
+        ],
         default="all",
     )
     add("--url", default=None, help="load this running server instead of starting llmgate")
@@ -350,9 +359,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.scenario in CAPACITY_SCENARIOS:
         print(f"{args.scenario}; results: {run_dir}")
         return run_capacity(args, run_dir, started)
-    if args.scenario in (BATCH, SPILLOVER, TENANTS, BUDGET):
+    if args.scenario in (BATCH, SPILLOVER, TENANTS, BUDGET, ROLLING):
         print(f"{args.scenario}; results: {run_dir}")
-        if args.scenario == BUDGET:
+        if args.scenario == ROLLING:
+            from loadtest import rolling as scenario
+
+            report = scenario.run(run_dir, args)
+        elif args.scenario == BUDGET:
             from loadtest import budget_race as scenario
 
             report = scenario.run(run_dir, args)

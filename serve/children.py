@@ -61,6 +61,8 @@ class Child:
     # Whether the current process has been ready, and whether any has.
     ready: bool = False
     ever_ready: bool = False
+    # A worker: a rolling restart (SIGHUP) restarts it in turn.
+    worker: bool = False
 
     def start(self) -> None:
         log.info("starting %s: %s", self.name, " ".join(redacted(self.argv)))

@@ -263,6 +263,7 @@ def _worker_child(
         argv=argv,
         env=env,
         own_rpc_dir=True,
+        worker=True,
         # It binds its port once its engine has started: then it is ready.
         port=serve.worker_base_port + index,
     )

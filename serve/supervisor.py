@@ -8,6 +8,8 @@
   error: argparse's, or settings it refuses), would do the same again:
   serve stops the others and exits non-zero, ending with that child's last
   lines of output.
+* SIGHUP restarts the workers one at a time (``serve.rolling``): each
+  drains, its streams moving on to the others, and starts again.
 * SIGINT/SIGTERM stop them all: SIGTERM to each child's main process first,
   so gateways and workers drain (finish what is running); SIGKILL for
   whatever is left after the grace period, or at once on a second signal.
@@ -28,6 +30,7 @@ import time
 
 import psutil
 
+from serve import rolling
 from serve.children import Child
 from shared import settings
 
@@ -94,6 +97,12 @@ class Supervisor:
         self.force = False
         # The child that failed its start (failed_at_start), its status and run time.
         self.failed: tuple[Child, int, float] | None = None
+        # A rolling restart asked for (SIGHUP), and the one under way.
+        self.roll_asked = False
+        self.roll: rolling.Roll | None = None
+
+    def request_roll(self, _signum: int, _frame: object) -> None:
+        self.roll_asked = True
 
     def request_stop(self, signum: int, _frame: object) -> None:
         if self.stopping:
@@ -106,12 +115,14 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGINT, self.request_stop)
         signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGHUP, self.request_roll)
         become_subreaper()
         for child in self.children:
             child.start()
         try:
             while not self.stopping:
                 self._check_children()
+                self._roll()
                 time.sleep(0.2)
         finally:
             self._stop_all()
@@ -131,6 +142,20 @@ class Supervisor:
             "\n".join(f"    {line}" for line in child.last_lines()) or "    (none)",
         )
         return code if code > 0 else 1
+
+    def _roll(self) -> None:
+        if self.roll_asked:
+            self.roll_asked = False
+            if self.roll is not None:
+                log.info("received SIGHUP: a rolling restart is under way already")
+            else:
+                workers = [c for c in self.children if c.worker]
+                url = rolling.health_url(self.serve.host, self.serve.port)
+                self.roll = rolling.Roll(
+                    workers, STOP_GRACE_SECONDS, lambda: rolling.serving_workers(url)
+                )
+        if self.roll is not None and self.roll.step(time.monotonic()):
+            self.roll = None
 
     def _reap_orphans(self) -> None:
         """Kill the processes an exited child left behind (adopted by us as subreaper)."""
@@ -157,6 +182,12 @@ class Supervisor:
             # with an orphaned old one for memory and cores.
             child.signal_group(signal.SIGKILL)
             ran = now - child.started_at
+            if self.roll is not None and self.roll.owns(child):
+                child.proc = None
+                self._reap_orphans()
+                child.remove_rpc_dir()
+                self.roll.exited(child, code)
+                continue
             if failed_at_start(code, child.ever_ready):
                 log.error(
                     "%s exited with status %s %.1fs after its start: stopping everything",

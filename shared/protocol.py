@@ -87,6 +87,9 @@ class Abort(_Message, tag="abort"):
 class Ping(_Message, tag="ping"):
     gateway_id: str
     sent_at: float
+    # The answer to a worker's farewell (``Heartbeat.farewell``): sent once
+    # this gateway has read everything the worker sent before it.
+    farewell: bool = False
 
 
 class Describe(_Message, tag="describe"):
@@ -224,6 +227,10 @@ class Heartbeat(_Message, tag="hb"):
     kv_events_port: int = 0
     kv_block_size: int = 0
     kv_replay_port: int = 0
+    # A drained worker's last word: it leaves once each gateway has answered
+    # (``Ping.farewell``), so none loses its last frames to the closing
+    # connection (a gateway's link drops what it has not read when it does).
+    farewell: bool = False
 
 
 # gateway -> worker: Generate (a request to run), Abort (stop these requests:

@@ -69,7 +69,7 @@ class Reader(Generic[T]):
     def read_ready(self) -> None:
         """Handle what is waiting now, before this loop turn ends (e.g. before
         judging a peer silent: its messages may be queued, not yet read)."""
-        if self._loop is not None:
+        while self._loop is not None and self._readable():
             self._drain()
 
     def _readable(self) -> bool:

@@ -37,6 +37,11 @@ from worker.metrics_server import start_metrics_server
 
 log = logging.getLogger(__name__)
 
+# How long a drained worker's socket keeps trying to send what is queued on
+# it, and waits for its gateways to answer its farewell.
+DRAINED_LINGER_MS = 5000
+FAREWELL_TIMEOUT_S = 5.0
+
 
 class WorkerServer:
     """The ROUTER loop: each request its own task, its deltas out through the outbox."""
@@ -59,6 +64,12 @@ class WorkerServer:
         self.gateways: dict[Identity, Gateway] = {}
         self._flush_scheduled = False
         self.draining = False
+        # Its drain ended with every request finished (drain), not cut short.
+        self.drained = False
+        # The gateways its farewell waits for, those that answered, and when all have.
+        self._farewell_waiting: set[Identity] = set()
+        self._farewells: set[Identity] = set()
+        self._farewell_answered = asyncio.Event()
         self._stop = asyncio.Event()
         self.liveness = Liveness(self, engine, settings.link, self.worker_id, uuid.uuid4().hex)
 
@@ -104,7 +115,10 @@ class WorkerServer:
                 authenticator.stop()
             self.sock.disable_monitor()
             monitor.close(0)
-            self.sock.close(0)
+            # A drained worker's last frames (the end of the requests it let
+            # finish) may still be queued: give them time to leave. A second
+            # signal means now.
+            self.sock.close(DRAINED_LINGER_MS if self.drained else 0)
             self.ctx.term()
 
     def _on_signal(self) -> None:
@@ -129,7 +143,28 @@ class WorkerServer:
             await asyncio.wait(running, timeout=self.settings.drain_timeout)
         if self.requests:
             log.warning("drain timeout: aborting %d requests", len(self.requests))
+        else:
+            self.drained = True
+            await self._farewell()
         self._stop.set()
+
+    async def _farewell(self) -> None:
+        """Wait for each gateway to answer a farewell: it has then read every
+        frame sent before it (a gateway's link drops what is still unread
+        when the connection closes), or for FAREWELL_TIMEOUT_S."""
+        self._flush()
+        self._farewells = set()
+        beat = msgspec.structs.replace(self.liveness.heartbeat(), farewell=True)
+        waiting = set(self.gateways)
+        for identity in waiting:
+            self.send(identity, beat)
+        self._farewell_waiting = waiting
+        if waiting:
+            try:
+                async with asyncio.timeout(FAREWELL_TIMEOUT_S):
+                    await self._farewell_answered.wait()
+            except TimeoutError:
+                log.info("%d gateways did not answer the farewell", len(waiting - self._farewells))
 
     # -- receiving ---------------------------------------------------------
 
@@ -159,7 +194,11 @@ class WorkerServer:
                     self.cancel(identity, request_id, "its gateway asked")
             elif isinstance(message, protocol.Describe):
                 self._describe(identity, message.model)
-            # Ping only refreshes last_seen.
+            elif isinstance(message, protocol.Ping) and message.farewell:
+                self._farewells.add(identity)
+                if self._farewell_waiting <= self._farewells:
+                    self._farewell_answered.set()
+            # A Ping otherwise only refreshes last_seen.
 
     def _describe(self, identity: Identity, model: str) -> None:
         """The model's tokenizer, for a gateway that routes by the engine's cache."""

@@ -137,10 +137,11 @@ class Attempts:
         A stream that moves on from a failed worker (``gateway.api.migration``)
         passes the tokens it generated (``continuation``) and that worker
         (``avoid``); a stream that can move (``movable``) does not wait for a
-        silent worker, as one that cannot does (``Delivery.streaming``)."""
+        silent worker, as one that cannot does (``Delivery.streaming``), and a
+        draining worker hands it over (``Pool.worker_draining``)."""
         retries = Retries(self.max_retries, tried=avoid)
         while True:
-            handle = await self._submit(target, raw, retries, continuation)
+            handle = await self._submit(target, raw, retries, continuation, movable)
             first: protocol.Delta | Failure | None = None
             try:
                 first = await handle.next()
@@ -170,6 +171,7 @@ class Attempts:
         raw: dict[str, Any],
         retries: Retries,
         continuation: list[int] | None = None,
+        movable: bool = False,
     ) -> RequestHandle:
         span = self.span
         try:
@@ -185,6 +187,7 @@ class Attempts:
                 self.tenant,
                 self.hinted,
                 continuation,
+                movable,
             )
             queued = (lambda: span.event("queued")) if span.on else None
             handle = await self.pool.submit(order, retries.tried, queued)

@@ -13,12 +13,15 @@ from shared import routes
 
 
 async def health(request: Request) -> Response:
-    """The gateway process is up (it may still have no worker)."""
+    """The gateway process is up (it may still have no worker); its workers:
+    healthy, of those draining (they take no new request), and known."""
     pool = services_of(request).pool
+    healthy = pool.healthy_workers()
     return json_response(
         {
             "status": "ok",
-            "healthy_workers": len(pool.healthy_workers()),
+            "healthy_workers": len(healthy),
+            "draining_workers": sum(w.draining for w in healthy),
             "workers": pool.worker_count(),
         }
     )

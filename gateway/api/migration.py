@@ -148,6 +148,7 @@ class Seam:
         self.moves += 1
         continuation = self.ids[: len(self.ids) - self.held].tolist()
         metrics.MIGRATIONS.labels(reason).inc()
+        metrics.MIGRATED_TOKENS.inc(len(continuation))
         log.info(
             "moving the stream on from %s (%s) after %d tokens",
             worker,

@@ -63,6 +63,8 @@ class _Attempt:
     tenant: str | None = None
     # Unix time it is given up at (0: never).
     deadline: float = 0.0
+    # A stream that may go on on another worker (``gateway.api.migration``).
+    movable: bool = False
     started: float = field(default_factory=time.monotonic)
 
 
@@ -222,7 +224,7 @@ class Pool:
         release = functools.partial(self._release, request_id)
         handle, delivery = RequestHandle.open(request_id, answered_by, release)
         self.pending[request_id] = _Attempt(
-            request_id, worker, tier, delivery, low_priority, tenant, order.deadline
+            request_id, worker, tier, delivery, low_priority, tenant, order.deadline, order.movable
         )
         if not low_priority:
             self.interactive_in_flight += 1
@@ -311,6 +313,34 @@ class Pool:
 
     def worker_up(self) -> None:
         self.admission.wake()
+
+    def worker_draining(self, worker: Worker) -> None:
+        """Hand the draining worker's movable streams over to other workers
+        rather than keep its drain (a restart) waiting for them: each is
+        failed as the worker would fail a new request (503, draining), which
+        moves it on, and aborted there. A stream whose pool has no other
+        worker to take it now stays and finishes where it is."""
+        handed: list[str] = []
+        for request_id in list(worker.requests):
+            attempt = self.pending.get(request_id)
+            if attempt is None or not attempt.movable:
+                continue
+            delivery = attempt.delivery
+            # (``streaming``: its worker parses its tools or reasoning, which cannot move.)
+            if delivery.finished or delivery.streaming or not self.admission.serves(attempt.tier):
+                continue
+            delivery.deliver(
+                protocol.Failed(
+                    request_id=request_id,
+                    status=503,
+                    message="worker is draining",
+                    cause=protocol.WORKER_DRAINING,
+                )
+            )
+            handed.append(request_id)
+        if handed:
+            log.info("worker %s drains: %d streams move on", worker.address, len(handed))
+            worker.link.send(protocol.Abort(request_ids=handed))
 
 
 def _worker_addresses(link: LinkSettings, models: Models) -> str:

@@ -181,6 +181,9 @@ class WorkerLink:
     def _on_monitor_event(self, frames: list[bytes]) -> None:
         event = parse_monitor_message(frames)
         if event["event"] == zmq.EVENT_DISCONNECTED and self._on_disconnect:
+            # What the worker sent before it went (a drained worker's last
+            # tokens) is read first: it is not lost with the connection.
+            self._reader.read_ready()
             self._on_disconnect(self)
         elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._handshake_failing = False

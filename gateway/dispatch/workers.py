@@ -100,6 +100,10 @@ class WorkerEvents(Protocol):
         """A worker turned healthy: queued requests may find a slot."""
         ...
 
+    def worker_draining(self, worker: Worker) -> None:
+        """``worker`` began to drain: what can move on should, not wait for it."""
+        ...
+
 
 class Workers:
     """Every worker address this gateway knows, and each one's health."""
@@ -194,6 +198,11 @@ class Workers:
             self._events.worker_output(link, message)
 
     def on_heartbeat(self, worker: Worker, beat: protocol.Heartbeat) -> None:
+        if beat.farewell:
+            # Read in order: what it sent before this is read, so it may go.
+            worker.link.send(
+                protocol.Ping(gateway_id=self.gateway_id, sent_at=time.time(), farewell=True)
+            )
         if beat.protocol_version != protocol.PROTOCOL_VERSION:
             if worker.healthy or not worker.worker_id:
                 log.error(
@@ -226,7 +235,8 @@ class Workers:
                 beat.models,
                 f" in pool {worker.pool}" if worker.pool else "",
             )
-        if beat.draining and not worker.draining:
+        began_draining = beat.draining and not worker.draining
+        if began_draining:
             log.info("worker %s is draining", worker.address)
         worker.worker_id = beat.worker_id
         worker.incarnation = beat.incarnation
@@ -260,6 +270,8 @@ class Workers:
         metrics.WORKER_KV_USAGE.labels(labels).set(beat.kv_cache_usage)
         if not was_healthy:
             self._events.worker_up()
+        if began_draining:
+            self._events.worker_draining(worker)
 
     def _describe(self, worker: Worker, models: list[str]) -> None:
         """Ask ``worker`` for the tokenizer of each of its models this process lacks (once)."""

@@ -26,7 +26,7 @@ import yaml
 
 from shared import api_keys, config
 from shared.api_keys import sha256_hex
-from shared.settings import GatewaySettings, WorkerSettings
+from shared.settings import GatewaySettings, LinkSettings, WorkerSettings
 from tests.deploy.helpers import DEPLOY, env_names
 
 CHART = DEPLOY / "helm" / "llmgate"
@@ -212,6 +212,22 @@ def test_probes_and_grace_periods_match_the_drain(
         assert c[probe]["httpGet"] == {"path": "/metrics", "port": "metrics"}
     grace = workers["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace > float(env["LLMGATE_DRAIN_TIMEOUT"])
+
+
+def test_workers_roll_one_at_a_time_once_the_gateways_can_find_the_last(
+    rendered: tuple[Any, list[dict[str, Any]]],
+) -> None:
+    """A rolling update's next pod waits until the gateways' DNS look-up and a
+    heartbeat have found the restarted one: its drain needs somewhere to move to."""
+    _, objects = rendered
+    gateway_env = environment(objects, one(objects, "Deployment", "gateway"))
+    resolve = float(gateway_env.get("LLMGATE_RESOLVE_INTERVAL", LinkSettings().resolve_interval))
+    heartbeat = float(
+        gateway_env.get("LLMGATE_HEARTBEAT_INTERVAL", LinkSettings().heartbeat_interval)
+    )
+    spec = one(objects, "StatefulSet", "worker")["spec"]
+    assert spec["updateStrategy"] == {"type": "RollingUpdate"}
+    assert spec["minReadySeconds"] > resolve + heartbeat
 
 
 def test_settings_are_ones_the_code_has(rendered: tuple[Any, list[dict[str, Any]]]) -> None:

@@ -3,16 +3,18 @@
 Two held workers behind a round-robin gateway: streams sent one after
 another land half on each, and each holds after its first tokens (the
 double's gate), so the victim holds streams under way when the fault lands.
-The victim is killed (its connection drops) or stopped (its heartbeats
-lapse); its streams go on on the other worker from the tokens they had
-sent, and once that one is let go every stream ends whole: one id, every
-token once, no error event, its usage counting both parts. What the real
-engine makes of the tokens it is handed: tests/integration/test_two_workers.py.
+The victim is killed (its connection drops), stopped (its heartbeats
+lapse) or drained (SIGTERM: the gateway hands its streams over); its
+streams go on on the other worker from the tokens they had sent, and once
+that one is let go every stream ends whole: one id, every token once, no
+error event, its usage counting both parts. What the real engine makes of
+the tokens it is handed: tests/integration/test_two_workers.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
 from pathlib import Path
 
 import httpx
@@ -59,6 +61,8 @@ def run_fault(tmp_path: Path, fault: str) -> tuple[list[PlainStream], HeldWorker
                 streams = await start_streams(client)
                 if fault == "kill":
                     victim.proc.kill()
+                elif fault == "drain":
+                    victim.proc.send_signal(signal.SIGTERM)
                 else:
                     victim.process.suspend()
                 try:
@@ -72,6 +76,10 @@ def run_fault(tmp_path: Path, fault: str) -> tuple[list[PlainStream], HeldWorker
                 finally:
                     if fault == "stop":
                         victim.process.resume()
+                if fault == "drain":
+                    # Its drain waited for nothing: the moved streams are
+                    # still held on the other worker.
+                    assert await asyncio.to_thread(victim.proc.wait, 60) == 0
                 other.say("release")
                 return list(await asyncio.gather(*streams))
 
@@ -94,4 +102,17 @@ def test_a_stopped_worker_s_streams_move_on_once_its_heartbeats_lapse(tmp_path: 
     streams, victim, log = run_fault(tmp_path, "stop")
     assert all(whole(s) for s in streams), streams
     assert sum(s.worker == victim.address for s in streams) == STREAMS // 2, streams
+    assert "stream cut" not in log, log
+
+
+def test_a_draining_worker_hands_its_streams_over_and_exits(tmp_path: Path) -> None:
+    """SIGTERM: the gateway moves the streams on as soon as the heartbeat says
+    it drains, and aborts them there, so its drain ends without them: it
+    exits while they are still held on the other worker (not released until
+    the victim is gone), not after --drain-timeout (30 s) or their end."""
+    streams, victim, log = run_fault(tmp_path, "drain")
+    assert all(whole(s) for s in streams), streams
+    assert sum(s.worker == victim.address for s in streams) == STREAMS // 2, streams
+    assert f"worker {victim.address} drains: {STREAMS // 2} streams move on" in log, log
+    assert log.count("(worker_draining) after") == STREAMS // 2, log
     assert "stream cut" not in log, log

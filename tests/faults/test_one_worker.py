@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import signal
 from pathlib import Path
 
 import httpx
@@ -142,3 +143,35 @@ def test_a_gateway_paused_past_the_gateway_timeout_gets_its_requests_ended_not_h
         assert metric(gateway.base_url, "llmgate_retries_total", reason="gateway_silent") == 1
         # It says why: it was the one stalled, not its worker, and not by its own work.
         assert STARVED.search(gateway.wait_for_log("this gateway's event loop woke", 10)), log
+
+
+def test_a_lone_draining_worker_keeps_its_stream_when_there_is_nowhere_to_move(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM with no other worker: the gateway does not hand the stream over
+    (a move would find no worker and end it with an error event); the drain
+    waits for it, and it ends whole there before the worker exits."""
+    with (
+        held_worker(tmp_path / "worker.log", "--gateway-timeout", "600") as worker,
+        gateway_over(tmp_path / "gateway.log", worker, flags=()) as gateway,
+    ):
+
+        async def scenario() -> Stream:
+            async with http_client(gateway) as client:
+                streaming = asyncio.Event()
+                stream = asyncio.ensure_future(
+                    read_stream(client, BODY, on_first_chunk=lambda _: streaming.set())
+                )
+                await asyncio.wait_for(streaming.wait(), 60)
+                worker.proc.send_signal(signal.SIGTERM)
+                await asyncio.to_thread(
+                    gateway.wait_for_log, f"worker {worker.address} is draining", 60
+                )
+                worker.say("release")
+                return await stream
+
+        stream = asyncio.run(scenario())
+        assert worker.proc.wait(timeout=60) == 0
+        log = gateway.log_path.read_text(errors="replace")
+    assert stream.whole(TOKENS), stream
+    assert "streams move on" not in log and "moving the stream on" not in log, log

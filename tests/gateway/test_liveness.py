@@ -48,6 +48,9 @@ class NoEvents:
     def worker_up(self) -> None:
         pass
 
+    def worker_draining(self, worker: Any) -> None:
+        pass
+
 
 class Stop(Exception):
     pass

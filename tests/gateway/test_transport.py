@@ -170,6 +170,9 @@ def test_requests_failed_when_the_link_dropped_are_aborted_once_it_connects_agai
             def worker_up(self) -> None:
                 up.set()
 
+            def worker_draining(self, _worker: Any) -> None:
+                pass
+
         workers = Workers(LinkSettings(), "gw-test", events=Events())
         router = ctx.socket(zmq.ROUTER)
         router.bind(address)
