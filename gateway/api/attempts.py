@@ -18,6 +18,8 @@ from typing import Any
 import msgspec
 
 from gateway import errors, metrics
+from gateway.api.failures import Failure, reason_of, retryable
+from gateway.api.migration import Seam
 from gateway.dialects import sse
 from gateway.dispatch.handle import Answerer, RequestHandle, WorkerLost
 from gateway.dispatch.models import Target
@@ -27,23 +29,6 @@ from gateway.tracing import RequestSpan
 from shared import protocol
 
 log = logging.getLogger(__name__)
-
-Failure = WorkerLost | protocol.Failed
-
-
-def retryable(failure: Failure) -> bool:
-    """Whether another attempt may succeed: the worker was lost, or refused with 503."""
-    return isinstance(failure, WorkerLost) or failure.status == 503
-
-
-def reason_of(failure: Failure) -> str:
-    """The retries metric's label: what the worker said of its 503 (known
-    causes only: a label value must not come from the wire unchecked)."""
-    if isinstance(failure, WorkerLost):
-        return "worker_lost"
-    if failure.cause in (protocol.WORKER_DRAINING, protocol.GATEWAY_SILENT):
-        return failure.cause
-    return "worker_refused"
 
 
 class Retries(msgspec.Struct, frozen=True):
@@ -107,19 +92,38 @@ class Attempts:
     def log_extra(self) -> dict[str, str]:
         return {"request_id": self.request_id}
 
-    async def run(self, target: Target, raw: dict[str, Any]) -> tuple[Answerer, protocol.Usage]:
+    async def run(
+        self, target: Target, raw: dict[str, Any], seam: Seam | None = None
+    ) -> tuple[Answerer, protocol.Usage]:
         """Run the request on ``target`` to its end, retrying while it may; who
-        answered, and the usage. Its output is in the builder."""
+        answered, and the usage. Its output is in the builder.
+
+        With a ``seam`` (``gateway.api.migration``: the request may move) an
+        attempt that fails after its first tokens goes on on another worker
+        from them, keeping what the builder has; one that fails before, or
+        cannot move, runs again from scratch."""
         retries = Retries(self.max_retries)
         while True:
-            handle = await self._submit(target, raw, retries)
-            try:
-                outcome = await self._collect(handle)
-            finally:
-                handle.close()
-            if isinstance(outcome, protocol.Usage):
-                return handle.answered_by, outcome
+            handle = await self._submit(target, raw, retries, movable=seam is not None)
+            # Its worker parses tools or reasoning: that state cannot move.
+            moving = seam if seam is not None and not handle.answered_by.chat_parser else None
+            first: protocol.Delta | None = None
+            while True:
+                try:
+                    outcome = await self._collect(handle, moving, first)
+                finally:
+                    handle.close()
+                if isinstance(outcome, protocol.Usage):
+                    return handle.answered_by, outcome
+                if moving is None or not moving.started:
+                    break
+                moved = await moving.move(outcome, handle, self.span, self.log_extra)
+                if moved is None:
+                    break
+                handle, first = moved
             retries = self._retry(retries, handle, outcome)
+            if seam is not None:
+                seam.restart()
             self.forget_output()
 
     async def start(
@@ -225,17 +229,30 @@ class Attempts:
             self.span.event("retry", reason=retries.last_failure, worker=worker)
         return retries
 
-    async def _collect(self, handle: RequestHandle) -> protocol.Usage | Failure:
-        """Read the attempt to its end, its output into the builder: the usage, or the failure."""
+    async def _collect(
+        self,
+        handle: RequestHandle,
+        seam: Seam | None = None,
+        first: protocol.Delta | None = None,
+    ) -> protocol.Usage | Failure:
+        """Read the attempt to its end, its output into the builder (and the
+        seam): the usage, or the failure. ``first``: its first delta, read
+        already (a moved request's)."""
         builder, recorded = self.builder, self.recorded
-        first = True
+        starting = first is None
         while True:  # handle.next(), not ``async for``: a coroutine less per item
-            item = await handle.next()
+            item: protocol.Delta | Failure
+            if first is not None:
+                item, first = first, None
+            else:
+                item = await handle.next()
             if not isinstance(item, protocol.Delta):
                 return item
-            if first:
+            if starting:
                 self.span.event("first_token")
-                first = False
+                starting = False
+            if seam is not None:
+                seam.add(item)
             if item.usage is not None:
                 return item.usage
             builder.add(item)

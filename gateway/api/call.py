@@ -209,7 +209,12 @@ class Call:
             )
         else:
             assert self.wire is not None
-            answered_by, usage = await attempts.run(target, self.wire)
+            seam = (
+                migration.Seam(self.settings.routing.max_migrations, self._resume(attempts, target))
+                if self._movable()
+                else None
+            )
+            answered_by, usage = await attempts.run(target, self.wire, seam)
         headers = self._headers(answered_by)
         if self.cached is not None:
             await self.cached.store(usage, len(self.builder.choices), answered_by, headers)
@@ -221,9 +226,7 @@ class Call:
         # Nothing goes out before the first delta: an error the engine finds up
         # front (a prompt longer than the context, a bad parameter) still gets
         # its status code, and a worker lost before any output is retried.
-        movable = self.settings.routing.max_migrations > 0 and migration.movable(
-            self.kind, self.wire
-        )
+        movable = self._movable()
         handle, first = await attempts.start(target, self.wire, movable=movable)
         if movable and handle.answered_by.chat_parser:
             # Its worker parses tools or reasoning from the stream: that state
@@ -255,6 +258,11 @@ class Call:
             headers={**STREAM_HEADERS, **headers},
         )
 
+    def _movable(self) -> bool:
+        """Whether the request may go on on another worker mid-answer."""
+        assert self.wire is not None
+        return self.settings.routing.max_migrations > 0 and migration.movable(self.kind, self.wire)
+
     def _resume(self, attempts: Attempts, target: Target) -> migration.Resume:
         """How the stream goes on on another worker (``gateway.api.migration``)."""
         wire = self.wire
@@ -264,7 +272,11 @@ class Call:
             continuation: list[int], failed: str
         ) -> tuple[RequestHandle, protocol.Delta]:
             return await attempts.start(
-                target, wire, continuation, avoid=frozenset({failed}), movable=True
+                target,
+                wire,
+                continuation,
+                avoid=frozenset({failed}) if failed else frozenset(),
+                movable=True,
             )
 
         return resume

@@ -7,7 +7,9 @@ its worker is lost, drains or drops it, goes to another worker of its pool
 with those ids (``protocol.Generate.continuation``): that worker renders
 the prompt as the first did, appends them and generates the rest, and its
 usage counts both parts. The client sees one stream: one id, no error
-event, every token once. It moves at most ``--max-migrations`` times.
+event, every token once. It moves at most ``--max-migrations`` times. A
+whole (non-streamed) request moves the same way (``Attempts.run``), its
+answer so far kept in its builder.
 
 What does not move (its stream ends with an error event, as before):
 several choices, logprobs, echo, stop strings (vLLM holds back text that
@@ -25,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gateway import errors, metrics
-from gateway.api.attempts import Failure, reason_of, retryable
+from gateway.api.failures import Failure, reason_of, retryable
 from gateway.dispatch.handle import RequestHandle
 from gateway.tracing import RequestSpan
 from shared import protocol
@@ -50,7 +52,7 @@ _STAYS = (
 )
 
 # The next worker's first delta, from the continued tokens and the worker
-# to avoid: ``Attempts.start`` with them.
+# to avoid ("": none): ``Attempts.start`` with them.
 Resume = Callable[[list[int], str], Awaitable[tuple[RequestHandle, protocol.Delta]]]
 
 
@@ -102,6 +104,17 @@ class Seam:
         # Tokens carried to the current worker: the answer's before it.
         self.carried = 0
 
+    @property
+    def started(self) -> bool:
+        """Whether a worker has answered any of it (else a failure is retried from scratch)."""
+        return self.ids is None or len(self.ids) > 0 or self.finished
+
+    def restart(self) -> None:
+        """The request runs again from scratch: nothing is carried (moves still count)."""
+        self.ids = array("i")
+        self.held = self.prompt_tokens = self.carried = 0
+        self.finished = False
+
     def add(self, delta: protocol.Delta) -> None:
         """One delta that went out to the client."""
         if delta.prompt_tokens and not self.prompt_tokens:
@@ -150,7 +163,7 @@ class Seam:
         metrics.MIGRATIONS.labels(reason).inc()
         metrics.MIGRATED_TOKENS.inc(len(continuation))
         log.info(
-            "moving the stream on from %s (%s) after %d tokens",
+            "moving the answer on from %s (%s) after %d tokens",
             worker,
             reason,
             len(continuation),
@@ -159,7 +172,10 @@ class Seam:
         if span.on:
             span.event("migrated", reason=reason, worker=worker, tokens=len(continuation))
         handle.close()
-        moved, first = await self.resume(continuation, worker)
+        # A worker that dropped it because this gateway went quiet did so for
+        # no fault of its own: it may take it again (as ``Retries.after``).
+        avoid = "" if reason == protocol.GATEWAY_SILENT else worker
+        moved, first = await self.resume(continuation, avoid)
         del self.ids[len(continuation) :]
         self.held = 0
         self.carried = len(continuation)

@@ -339,7 +339,7 @@ class Pool:
             )
             handed.append(request_id)
         if handed:
-            log.info("worker %s drains: %d streams move on", worker.address, len(handed))
+            log.info("worker %s drains: %d requests move on", worker.address, len(handed))
             worker.link.send(protocol.Abort(request_ids=handed))
 
 

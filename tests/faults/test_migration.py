@@ -18,9 +18,10 @@ import signal
 from pathlib import Path
 
 import httpx
+import pytest
 
 from loadtest.fake_engine import TOKEN_TEXT
-from tests.faults.held import BODY, TOKENS, HeldWorker, http_client
+from tests.faults.held import BODY, TOKENS, HeldWorker, http_client, running_at
 from tests.faults.test_two_workers import two_held
 from tests.harness.waiting import wait_until
 from tests.integration.streams import PlainStream, read_plain
@@ -92,7 +93,7 @@ def test_a_killed_worker_s_streams_move_on_whole(tmp_path: Path) -> None:
     assert all(whole(s) for s in streams), streams
     # Half started on the victim (the header says where a stream began).
     assert sum(s.worker == victim.address for s in streams) == STREAMS // 2, streams
-    assert log.count("moving the stream on from") == STREAMS // 2, log
+    assert log.count("moving the answer on from") == STREAMS // 2, log
     assert "stream cut" not in log, log
 
 
@@ -113,6 +114,49 @@ def test_a_draining_worker_hands_its_streams_over_and_exits(tmp_path: Path) -> N
     streams, victim, log = run_fault(tmp_path, "drain")
     assert all(whole(s) for s in streams), streams
     assert sum(s.worker == victim.address for s in streams) == STREAMS // 2, streams
-    assert f"worker {victim.address} drains: {STREAMS // 2} streams move on" in log, log
+    assert f"worker {victim.address} drains: {STREAMS // 2} requests move on" in log, log
     assert log.count("(worker_draining) after") == STREAMS // 2, log
     assert "stream cut" not in log, log
+
+
+@pytest.mark.parametrize("fault", ["kill", "drain"])
+def test_whole_requests_go_on_from_their_tokens_too(tmp_path: Path, fault: str) -> None:
+    """Non-streamed requests: the one held on the victim goes on on the other
+    worker from the tokens it had (not from scratch), and its answer is
+    whole: every token once, its usage counting both parts."""
+    with two_held(tmp_path, stall_timeout="300") as (victim, other, gateway):
+
+        async def scenario() -> list[httpx.Response]:
+            async with http_client(gateway) as client:
+                sent = []
+                for held in (1, 2):  # round-robin: one on each worker
+                    sent.append(asyncio.ensure_future(client.post("/v1/completions", json=BODY)))
+                    await asyncio.to_thread(
+                        wait_until,
+                        lambda held=held: (
+                            running_at(gateway, victim) + running_at(gateway, other) == held
+                        ),
+                        f"{held} requests held",
+                    )
+                if fault == "kill":
+                    victim.proc.kill()
+                else:
+                    victim.proc.send_signal(signal.SIGTERM)
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: metric(gateway.base_url, "llmgate_migrations_total") == 1,
+                    "the victim's request moved",
+                )
+                other.say("release")
+                return list(await asyncio.gather(*sent))
+
+        responses = asyncio.run(scenario())
+        log = gateway.log_path.read_text(errors="replace")
+    for response in responses:
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["choices"][0]["text"] == TOKEN_TEXT * TOKENS, body
+        assert body["usage"]["completion_tokens"] == TOKENS, body
+        assert response.headers["x-llmgate-worker"] == other.address
+    assert log.count(f"moving the answer on from {victim.address}") == 1, log
+    assert "retrying" not in log, log

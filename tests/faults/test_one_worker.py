@@ -95,9 +95,10 @@ def test_a_gateway_paused_past_the_gateway_timeout_gets_its_requests_ended_not_h
     """The worker gives up on a gateway it has not heard from for
     --gateway-timeout (5 s here) and drops its requests; the gateway, once it
     runs again, must learn of it (a 503 each), not wait for output that never
-    comes: the stream under way ends with an error event naming the cause,
-    and the plain request, which sent nothing yet, runs again on the same
-    worker (it was the gateway that stalled) and ends whole."""
+    comes: the stream under way, which cannot move (it asks for logprobs),
+    ends with an error event naming the cause, and the plain request goes on
+    from its first tokens on the same worker (it was the gateway that
+    stalled, not the worker) and ends whole."""
     with (
         held_worker(tmp_path / "worker.log", "--gateway-timeout", "5") as worker,
         gateway_over(tmp_path / "gateway.log", worker, flags=()) as gateway,
@@ -120,10 +121,11 @@ def test_a_gateway_paused_past_the_gateway_timeout_gets_its_requests_ended_not_h
                 finally:
                     gateway_process.resume()
                 ended = await asyncio.wait_for(stream, 60)
-                # The plain request runs again, on the only worker there is,
+                # The plain request goes on, on the only worker there is,
                 # and waits at its gate like the first time...
                 await asyncio.to_thread(
-                    gateway.wait_for_log, "retrying on any worker: the worker dropped the request"
+                    gateway.wait_for_log,
+                    f"moving the answer on from {worker.address} (gateway_silent)",
                 )
                 await asyncio.to_thread(
                     wait_until, lambda: running_at(gateway, worker) == 1, "the retry at the worker"
@@ -140,7 +142,7 @@ def test_a_gateway_paused_past_the_gateway_timeout_gets_its_requests_ended_not_h
         assert plain.json()["usage"]["completion_tokens"] == TOKENS
         log = gateway.log_path.read_text(errors="replace")
         assert "stream ended by its worker: 503" in log, log
-        assert metric(gateway.base_url, "llmgate_retries_total", reason="gateway_silent") == 1
+        assert metric(gateway.base_url, "llmgate_migrations_total", reason="gateway_silent") == 1
         # It says why: it was the one stalled, not its worker, and not by its own work.
         assert STARVED.search(gateway.wait_for_log("this gateway's event loop woke", 10)), log
 
@@ -174,4 +176,4 @@ def test_a_lone_draining_worker_keeps_its_stream_when_there_is_nowhere_to_move(
         assert worker.proc.wait(timeout=60) == 0
         log = gateway.log_path.read_text(errors="replace")
     assert stream.whole(TOKENS), stream
-    assert "streams move on" not in log and "moving the stream on" not in log, log
+    assert "requests move on" not in log and "moving the answer on" not in log, log

@@ -27,7 +27,7 @@ from tests.faults.held import HOLD_AFTER
 from tests.faults.test_migration import STREAMS, start_streams, whole
 from tests.harness.waiting import wait_until
 from tests.integration.test_pool import metric
-from tests.serve.test_serve import Output
+from tests.serve.test_serve import Output, stop
 
 LAUNCHER = """\
 import json, sys
@@ -107,11 +107,7 @@ def test_a_rolling_restart_moves_every_stream_on_and_no_client_sees_it() -> None
         streams = asyncio.run(scenario())
         moved = metric(base_url, "llmgate_migrations_total", reason="worker_draining")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc, output)
     text = output.rest()
     assert all(whole(s) for s in streams), streams  # type: ignore[arg-type]
     # Worker-0's streams moved twice (to worker-1, then back to the new

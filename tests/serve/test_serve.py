@@ -414,6 +414,16 @@ class Output:
         return "".join(self.seen) + "".join(self.lines.queue)
 
 
+def stop(proc: subprocess.Popen[str], output: Output) -> None:
+    """SIGTERM the supervisor; fails if it has not stopped within 60 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the supervisor did not stop within 60 s of SIGTERM:\n" + output.rest())
+
+
 def finish(proc: subprocess.Popen[str], waiting_for: str, timeout: float = 60) -> str:
     """The supervisor's whole output once it exits; fails after ``timeout``."""
     try:
@@ -462,12 +472,7 @@ def test_a_child_that_crashes_after_it_was_ready_is_restarted(tmp_path: Path) ->
         # served is restarted, however its next start goes.
         output.wait_for("restart 2 in")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            pytest.fail("the supervisor did not stop within 60 s of SIGTERM:\n" + output.rest())
+        stop(proc, output)
     text = output.rest()
     assert proc.returncode == 0, text
     assert "child-0 exited with 1 after" in text and "restart 1 in 2s" in text, text

@@ -15,7 +15,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from gateway import errors
-from gateway.api.attempts import Attempts, Retries, retryable
+from gateway.api.attempts import Attempts, Retries
+from gateway.api.failures import retryable
 from gateway.dialects import sse
 from gateway.dispatch.handle import WorkerLost
 from gateway.dispatch.models import Target, Tier
