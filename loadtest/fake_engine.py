@@ -148,9 +148,9 @@ class FakeEngine:
         self,
         kind: protocol.RequestKind,
         params: dict[str, Any],
-        continuation: list[int] | None = None,
+        continuation: protocol.Continuation | None = None,
     ) -> list[PreparedPrompt]:
-        carried = len(continuation or ())
+        carried = len(continuation.token_ids) if continuation else 0
         max_tokens = (self.tokens or requested_tokens(params)) - carried
         if max_tokens <= 0:
             raise RequestError(400, "The continued answer has no tokens left to generate.")

@@ -180,7 +180,7 @@ class SimEngine:
         self,
         kind: protocol.RequestKind,
         params: dict[str, Any],
-        continuation: list[int] | None = None,
+        continuation: protocol.Continuation | None = None,
     ) -> list[PreparedPrompt]:
         read = prompt_tokens(self.tokenizer, kind, params)
         if read is None:

@@ -34,6 +34,15 @@ class _Message(msgspec.Struct, array_like=True, gc=False, tag_field="k"):
     """Base of every wire message (tag first, then the fields in order)."""
 
 
+class Continuation(msgspec.Struct, frozen=True):
+    """An answer generated so far, which another worker goes on from."""
+
+    token_ids: list[int]
+    # Characters of its text the client has been sent: the engine holds back
+    # text that may begin a stop string, which the next worker sends.
+    sent_chars: int = 0
+
+
 class Generate(_Message, tag="gen"):
     """Run one OpenAI request.
 
@@ -56,11 +65,11 @@ class Generate(_Message, tag="gen"):
     # ``engine_priority`` of its band and its rank in the band. Workers apply
     # it only under ``--scheduling-policy priority`` (their default).
     priority: int = 0
-    # A request that moved from a worker that failed mid-answer: the token
-    # ids its one choice generated there. The worker renders the prompt as
-    # for a new request, appends these and generates the rest, counting them
-    # in ``max_tokens`` and in the usage as tokens of the answer.
-    continuation: list[int] | None = None
+    # A request that moved from a worker that failed mid-answer: what its
+    # one choice generated there. The worker renders the prompt as for a new
+    # request, appends those tokens and generates the rest, counting them in
+    # ``max_tokens`` and in the usage as tokens of the answer.
+    continuation: Continuation | None = None
 
 
 # Priority bands, first first: a request's band is its API key's, or a lower

@@ -193,7 +193,7 @@ class Engine:
         self,
         kind: protocol.RequestKind,
         params: dict[str, Any],
-        continuation: list[int] | None = None,
+        continuation: protocol.Continuation | None = None,
     ) -> list[PreparedPrompt]:
         """Validate, render and tokenize one request: one entry per prompt."""
         if self.preparer is None:
@@ -231,10 +231,18 @@ class Engine:
             for i, p in enumerate(prompts)
         ]
         outputs = RequestDeltas(request_id, prompts, self.tokenizer, self.special_ids)
-        async for prompt_index, output in merge_async_iterators(*generators):
-            deltas = outputs.step(prompt_index, output)
-            if deltas:
-                yield deltas
+        merged = merge_async_iterators(*generators)
+        try:
+            async for prompt_index, output in merged:
+                deltas = outputs.step(prompt_index, output)
+                if deltas:
+                    yield deltas
+                if outputs.stopped:
+                    # A stop string across a continued answer's seam, which
+                    # vLLM did not see: closing aborts it in the engine.
+                    break
+        finally:
+            await merged.aclose()
         yield outputs.usage()
 
     async def passthrough(

@@ -51,7 +51,7 @@ class ModelEngine(Protocol):
         self,
         kind: protocol.RequestKind,
         params: dict[str, Any],
-        continuation: list[int] | None = None,
+        continuation: protocol.Continuation | None = None,
     ) -> list[PreparedPrompt]:
         """Validate, render and tokenize one request: one entry per prompt;
         raises ``worker.errors.RequestError`` for what it refuses. With a

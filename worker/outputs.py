@@ -15,6 +15,7 @@ from typing import Any
 from shared import protocol
 from worker.json_spans import KeyRewriter
 from worker.prepare import PreparedPrompt
+from worker.seam_stops import SeamStops
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,18 @@ class RequestDeltas:
         # The choices whose prompt has gone out as ``echo`` already.
         self.echoed: set[int] = set()
         self.rewriters: dict[int, KeyRewriter] = {}
+        # A continued answer's check of its stop strings across the seam, by
+        # choice; and whether one ended it (the engine did not see it).
+        self.seams = {
+            i * p.sampling_params.n: SeamStops(
+                *p.seam_text,
+                list(p.sampling_params.stop or ()),
+                p.sampling_params.include_stop_str_in_output,
+            )
+            for i, p in enumerate(prompts)
+            if p.seam_text is not None
+        }
+        self.stopped = False
 
     def step(self, prompt_index: int, output: Any) -> list[protocol.Delta]:
         """The deltas of one ``RequestOutput`` of prompt ``prompt_index``.
@@ -66,6 +79,12 @@ class RequestDeltas:
                     echo_logprobs = self._prompt_logprobs(
                         output.prompt_token_ids or [], output.prompt_logprobs
                     )
+            text, finish_reason, stop_reason = choice.text, choice.finish_reason, choice.stop_reason
+            seam = self.seams.get(index)
+            if seam is not None:
+                text, stop = seam.feed(text, final=finish_reason is not None)
+                if stop is not None:
+                    finish_reason, stop_reason, self.stopped = "stop", stop, True
             deltas.append(
                 protocol.Delta(
                     request_id=self.request_id,
@@ -73,15 +92,15 @@ class RequestDeltas:
                     echo=echo,
                     echo_logprobs=echo_logprobs,
                     prompt_token_ids=echo_ids,
-                    text=self._rewrite_keys(index, prompt, choice.text, choice.finish_reason),
+                    text=self._rewrite_keys(index, prompt, text, finish_reason),
                     num_tokens=len(choice.token_ids),
                     logprobs=(
                         token_logprobs(choice.token_ids, choice.logprobs, self.special_ids)
                         if want_logprobs and choice.logprobs is not None
                         else None
                     ),
-                    finish_reason=choice.finish_reason,
-                    stop_reason=choice.stop_reason,
+                    finish_reason=finish_reason,
+                    stop_reason=stop_reason,
                     token_ids=list(choice.token_ids),
                 )
             )

@@ -44,6 +44,9 @@ class PreparedPrompt:
     # Tokens of the answer generated before, on a worker that failed: the
     # prompt's last ``carried`` tokens (``Generate.continuation``).
     carried: int = 0
+    # With stop strings, a continued answer's text around the seam: the end
+    # of what was sent, and what was held back (``worker.seam_stops``).
+    seam_text: tuple[str, str] | None = None
 
 
 class Preparer:
@@ -71,7 +74,7 @@ class Preparer:
         self,
         kind: protocol.RequestKind,
         params: dict[str, Any],
-        continuation: list[int] | None = None,
+        continuation: protocol.Continuation | None = None,
     ) -> list[PreparedPrompt]:
         """Validate, render and tokenize one request: one entry per prompt; with a
         ``continuation``, its one prompt goes on from those tokens."""
@@ -106,7 +109,7 @@ class Preparer:
         if continuation:
             from worker.continuation import continued
 
-            return continued(prepared, continuation, self.model_config)
+            return continued(prepared, continuation, self.model_config, self.tokenizer)
         return prepared
 
     async def render(self, kind: protocol.RequestKind, request: Any) -> list[Any]:

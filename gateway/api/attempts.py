@@ -130,7 +130,7 @@ class Attempts:
         self,
         target: Target,
         raw: dict[str, Any],
-        continuation: list[int] | None = None,
+        continuation: protocol.Continuation | None = None,
         avoid: frozenset[str] = frozenset(),
         movable: bool = False,
     ) -> tuple[RequestHandle, protocol.Delta]:
@@ -174,7 +174,7 @@ class Attempts:
         target: Target,
         raw: dict[str, Any],
         retries: Retries,
-        continuation: list[int] | None = None,
+        continuation: protocol.Continuation | None = None,
         movable: bool = False,
     ) -> RequestHandle:
         span = self.span

@@ -269,7 +269,7 @@ class Call:
         assert wire is not None
 
         async def resume(
-            continuation: list[int], failed: str
+            continuation: protocol.Continuation, failed: str
         ) -> tuple[RequestHandle, protocol.Delta]:
             return await attempts.start(
                 target,

@@ -12,9 +12,10 @@ whole (non-streamed) request moves the same way (``Attempts.run``), its
 answer so far kept in its builder.
 
 What does not move (its stream ends with an error event, as before):
-several choices, logprobs, echo, stop strings (vLLM holds back text that
-may begin one, which the next worker would not send), structured output
-and tools (their state is the first engine's), and vLLM's own routes.
+several choices, logprobs, echo, structured output and tools (their state
+is the first engine's), and vLLM's own routes. Stop strings move: the next
+worker sends the text the first engine held back and checks them across
+the seam (``worker.seam_stops``).
 Tokens whose text the engine held back (the start of a multi-byte
 character) are generated again by the next worker rather than carried.
 """
@@ -42,7 +43,6 @@ _STAYS = (
     "top_logprobs",
     "prompt_logprobs",
     "echo",
-    "stop",
     "tools",
     "guided_json",
     "guided_regex",
@@ -53,7 +53,7 @@ _STAYS = (
 
 # The next worker's first delta, from the continued tokens and the worker
 # to avoid ("": none): ``Attempts.start`` with them.
-Resume = Callable[[list[int], str], Awaitable[tuple[RequestHandle, protocol.Delta]]]
+Resume = Callable[[protocol.Continuation, str], Awaitable[tuple[RequestHandle, protocol.Delta]]]
 
 
 def movable(kind: protocol.RequestKind, params: dict[str, Any]) -> bool:
@@ -77,6 +77,7 @@ class Seam:
 
     __slots__ = (
         "carried",
+        "chars",
         "finished",
         "held",
         "ids",
@@ -103,6 +104,9 @@ class Seam:
         self.prompt_tokens = 0
         # Tokens carried to the current worker: the answer's before it.
         self.carried = 0
+        # Characters of the answer's text sent to the client (the next
+        # worker sends what an engine held back for a stop string).
+        self.chars = 0
 
     @property
     def started(self) -> bool:
@@ -112,7 +116,7 @@ class Seam:
     def restart(self) -> None:
         """The request runs again from scratch: nothing is carried (moves still count)."""
         self.ids = array("i")
-        self.held = self.prompt_tokens = self.carried = 0
+        self.held = self.prompt_tokens = self.carried = self.chars = 0
         self.finished = False
 
     def add(self, delta: protocol.Delta) -> None:
@@ -121,6 +125,7 @@ class Seam:
             self.prompt_tokens = delta.prompt_tokens
         if delta.finish_reason is not None:
             self.finished = True
+        self.chars += len(delta.text)
         if not delta.num_tokens or self.ids is None:
             return
         ids = delta.token_ids
@@ -175,7 +180,7 @@ class Seam:
         # A worker that dropped it because this gateway went quiet did so for
         # no fault of its own: it may take it again (as ``Retries.after``).
         avoid = "" if reason == protocol.GATEWAY_SILENT else worker
-        moved, first = await self.resume(continuation, avoid)
+        moved, first = await self.resume(protocol.Continuation(continuation, self.chars), avoid)
         del self.ids[len(continuation) :]
         self.held = 0
         self.carried = len(continuation)

@@ -46,7 +46,7 @@ class WorkOrder(msgspec.Struct, frozen=True):
     hinted: bool = False
     # A stream moved mid-answer: the token ids generated so far, which the
     # worker continues from (``protocol.Generate.continuation``).
-    continuation: list[int] | None = None
+    continuation: protocol.Continuation | None = None
     # A stream that may go on on another worker: a draining worker's hands
     # it over (``Pool.worker_draining``) rather than keep its drain waiting.
     movable: bool = False

@@ -26,7 +26,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "stream":
         ("chat", {"response_format": {"type": "text"}}, True),
         ("chat", {"n": 2}, False),
         ("chat", {"logprobs": True}, False),
-        ("chat", {"stop": ["\n"]}, False),
+        ("chat", {"stop": ["\n"]}, True),
         ("chat", {"response_format": {"type": "json_object"}}, False),
         ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, False),
         ("completion", {"prompt": "Once"}, True),
@@ -56,10 +56,15 @@ class Resumes:
 
     def __init__(self) -> None:
         self.asked: list[tuple[list[int], str]] = []
+        # The characters of text each move said were sent.
+        self.sent: list[int] = []
         self.closed: list[str] = []
 
-    async def __call__(self, continuation: list[int], failed: str) -> tuple[RequestHandle, Any]:
-        self.asked.append((list(continuation), failed))
+    async def __call__(
+        self, continuation: protocol.Continuation, failed: str
+    ) -> tuple[RequestHandle, Any]:
+        self.asked.append((list(continuation.token_ids), failed))
+        self.sent.append(continuation.sent_chars)
         return handle(f"w{len(self.asked)}", self.closed), delta([99])
 
 
@@ -76,6 +81,7 @@ def test_a_lost_worker_s_stream_moves_with_its_tokens() -> None:
     moved = move(seam, WorkerLost("gone"), first)
     assert moved is not None
     assert resumes.asked == [([5, 6, 7], "w0")]
+    assert resumes.sent == [len("Oncex")]  # the next worker sends what was held back
     assert resumes.closed == ["w0"]  # the failed attempt let go of
     second, first_delta = moved
     assert first_delta.token_ids == [99]
@@ -125,10 +131,19 @@ def test_a_stream_whole_but_for_its_usage_ends_where_it_is() -> None:
 
 
 def test_a_move_that_finds_no_worker_raises_its_error() -> None:
-    async def nowhere(continuation: list[int], failed: str) -> Any:
+    async def nowhere(continuation: protocol.Continuation, failed: str) -> Any:
         raise errors.NoWorker("No worker is available.")
 
     seam = Seam(2, nowhere)
     seam.add(delta([5]))
     with pytest.raises(errors.NoWorker):
         move(seam, WorkerLost("gone"), handle("w0", []))
+
+
+def test_a_worker_dropping_a_quiet_gateway_s_stream_may_take_it_again() -> None:
+    resumes = Resumes()
+    seam = Seam(2, resumes)
+    seam.add(delta([5]))
+    silent = protocol.Failed("r", 503, "silent", cause=protocol.GATEWAY_SILENT)
+    assert move(seam, silent, handle("w0", resumes.closed)) is not None
+    assert resumes.asked == [([5], "")]  # no worker avoided
