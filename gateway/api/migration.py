@@ -38,17 +38,19 @@ log = logging.getLogger(__name__)
 # Fields whose answer depends on state the first engine kept (a grammar, a
 # parser) or that the next worker cannot give again (logprobs of the tokens
 # it is handed, the text held back for a stop string).
-_STAYS = (
-    "logprobs",
-    "top_logprobs",
-    "prompt_logprobs",
-    "echo",
-    "tools",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
+_STAYS = frozenset(
+    (
+        "logprobs",
+        "top_logprobs",
+        "prompt_logprobs",
+        "echo",
+        "tools",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "structured_outputs",
+    )
 )
 
 # The next worker's first delta, from the continued tokens and the worker
@@ -66,7 +68,7 @@ def movable(kind: protocol.RequestKind, params: dict[str, Any]) -> bool:
     response_format = params.get("response_format")
     if isinstance(response_format, dict) and response_format.get("type") in (None, "text"):
         response_format = None
-    if response_format or any(params.get(name) for name in _STAYS):
+    if response_format or any(params[name] for name in _STAYS.intersection(params)):
         return False
     prompt = params.get("prompt")
     return not (isinstance(prompt, list) and prompt and not isinstance(prompt[0], int))

@@ -388,11 +388,15 @@ def test_killing_a_worker_while_32_clients_stream(two: Served) -> None:
     print("kill report:", json.dumps(report))
 
 
-def test_streams_move_on_to_a_real_engine_when_their_worker_is_killed(
-    two: Served, tmp_path: Path
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_streams_move_on_to_a_real_engine_when_their_worker_fails(
+    two: Served, tmp_path: Path, fault: str
 ) -> None:
     """32 clients stream greedy chats over a held double and a real worker; the
-    double, holding its streams after their first two tokens, is SIGKILLed.
+    double, holding its streams after their first two tokens, is SIGKILLed
+    (its connection drops) or SIGSTOPped (its heartbeats lapse: past
+    --heartbeat-timeout, 10 s here, it is marked down; it stays stopped, so
+    down, until the references below are computed).
 
     Its streams go on on the real worker from the tokens they had sent (the
     double sends the model's own id of " fake"): none ends with an error
@@ -416,10 +420,13 @@ def test_streams_move_on_to_a_real_engine_when_their_worker_is_killed(
     with held_worker(
         tmp_path / "held.log", "--gateway-timeout", "600", "--token-id", str(fake_id)
     ) as held:
+        # (Killed, the double is gone at once; a real worker busy with 16
+        # streams is not taken for a silent one either way.)
+        timeout = "60" if fault == "kill" else "10"
         gateway = start_gateway(
             tmp_path / "gateway.log",
             f"{held.address},{survivor}",
-            *("--policy", "round-robin", "--heartbeat-timeout", "60"),
+            *("--policy", "round-robin", "--heartbeat-timeout", timeout),
         )
         try:
 
@@ -442,7 +449,10 @@ def test_streams_move_on_to_a_real_engine_when_their_worker_is_killed(
                         reading = read_plain(client, "/v1/chat/completions", greedy(i), first.set)
                         tasks.append(asyncio.ensure_future(reading))
                         await asyncio.wait_for(first.wait(), 120)
-                    held.proc.kill()
+                    if fault == "kill":
+                        held.proc.kill()
+                    else:
+                        held.process.suspend()
                     return list(await asyncio.gather(*tasks))
 
             outcomes = asyncio.run(run())
@@ -470,6 +480,8 @@ def test_streams_move_on_to_a_real_engine_when_their_worker_is_killed(
                 references[i] = answer.json()["choices"][0]["text"]
         finally:
             stop_serve(gateway)
+            if fault == "stop":
+                held.process.resume()
 
     errors = [o for o in outcomes if o.error is not None or not o.done]
     assert not errors, errors
@@ -480,7 +492,7 @@ def test_streams_move_on_to_a_real_engine_when_their_worker_is_killed(
     continued = {i: outcomes[i].text for i in references}
     assert all(text.startswith(" fake fake") for text in continued.values()), continued
     same = sum(continued[i] == " fake fake" + references[i] for i in references)
-    print("migration report:", json.dumps({"moved": moved, "same_as_alone": same}))
+    print("migration report:", json.dumps({"fault": fault, "moved": moved, "same_as_alone": same}))
     # Greedy, but batched with 31 other streams where the reference ran
     # alone: a rare tie may go the other way on this engine. Most must match.
     assert same >= len(references) * 3 // 4, (continued, references)
