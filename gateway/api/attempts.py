@@ -12,6 +12,7 @@ Any other failure is the client's answer at once.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,7 +94,10 @@ class Attempts:
         return {"request_id": self.request_id}
 
     async def run(
-        self, target: Target, raw: dict[str, Any], seam: Seam | None = None
+        self,
+        target: Target,
+        raw: dict[str, Any],
+        seam: Callable[[], Seam] | None = None,
     ) -> tuple[Answerer, protocol.Usage]:
         """Run the request on ``target`` to its end, retrying while it may; who
         answered, and the usage. Its output is in the builder.
@@ -101,29 +105,37 @@ class Attempts:
         With a ``seam`` (``gateway.api.migration``: the request may move) an
         attempt that fails after its first tokens goes on on another worker
         from them, keeping what the builder has; one that fails before, or
-        cannot move, runs again from scratch."""
+        cannot move, runs again from scratch. (The deltas are only kept as
+        they come, and the seam made of them on a failure: most requests
+        never fail.)"""
         retries = Retries(self.max_retries)
         while True:
             handle = await self._submit(target, raw, retries, movable=seam is not None)
             # Its worker parses tools or reasoning: that state cannot move.
-            moving = seam if seam is not None and not handle.answered_by.chat_parser else None
+            kept: list[protocol.Delta] | None = (
+                [] if seam is not None and not handle.answered_by.chat_parser else None
+            )
+            moving: Seam | None = None
             first: protocol.Delta | None = None
             while True:
                 try:
-                    outcome = await self._collect(handle, moving, first)
+                    outcome = await self._collect(handle, kept, first)
                 finally:
                     handle.close()
                 if isinstance(outcome, protocol.Usage):
                     return handle.answered_by, outcome
-                if moving is None or not moving.started:
+                if seam is None or not kept:
                     break
+                if moving is None:
+                    moving = seam()
+                for delta in kept:
+                    moving.add(delta)
+                kept.clear()
                 moved = await moving.move(outcome, handle, self.span, self.log_extra)
                 if moved is None:
                     break
                 handle, first = moved
             retries = self._retry(retries, handle, outcome)
-            if seam is not None:
-                seam.restart()
             self.forget_output()
 
     async def start(
@@ -232,12 +244,12 @@ class Attempts:
     async def _collect(
         self,
         handle: RequestHandle,
-        seam: Seam | None = None,
+        kept: list[protocol.Delta] | None = None,
         first: protocol.Delta | None = None,
     ) -> protocol.Usage | Failure:
-        """Read the attempt to its end, its output into the builder (and the
-        seam): the usage, or the failure. ``first``: its first delta, read
-        already (a moved request's)."""
+        """Read the attempt to its end, its output into the builder (and its
+        deltas into ``kept``): the usage, or the failure. ``first``: its first
+        delta, read already (a moved request's)."""
         builder, recorded = self.builder, self.recorded
         starting = first is None
         while True:  # handle.next(), not ``async for``: a coroutine less per item
@@ -251,8 +263,8 @@ class Attempts:
             if starting:
                 self.span.event("first_token")
                 starting = False
-            if seam is not None:
-                seam.add(item)
+            if kept is not None:
+                kept.append(item)
             if item.usage is not None:
                 return item.usage
             builder.add(item)

@@ -209,8 +209,9 @@ class Call:
             )
         else:
             assert self.wire is not None
+            limit = self.settings.routing.max_migrations
             seam = (
-                migration.Seam(self.settings.routing.max_migrations, self._resume(attempts, target))
+                (lambda: migration.Seam(limit, self._resume(attempts, target)))
                 if self._movable()
                 else None
             )

@@ -110,17 +110,6 @@ class Seam:
         # worker sends what an engine held back for a stop string).
         self.chars = 0
 
-    @property
-    def started(self) -> bool:
-        """Whether a worker has answered any of it (else a failure is retried from scratch)."""
-        return self.ids is None or len(self.ids) > 0 or self.finished
-
-    def restart(self) -> None:
-        """The request runs again from scratch: nothing is carried (moves still count)."""
-        self.ids = array("i")
-        self.held = self.prompt_tokens = self.carried = self.chars = 0
-        self.finished = False
-
     def add(self, delta: protocol.Delta) -> None:
         """One delta that went out to the client."""
         if delta.prompt_tokens and not self.prompt_tokens:
