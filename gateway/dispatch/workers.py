@@ -127,6 +127,9 @@ class Workers:
         self.kv = KvEvents(self.ctx)
         # Per model, its prompts' token ids as its engines see them (asked of
         # the workers that publish KV events: routing by cache needs them).
+        # Whether the policy tokenizes prompts (kv): only then are the
+        # workers asked for their tokenizers, megabytes each.
+        self.wants_tokenizers = False
         self.tokenizers: dict[str, PromptTokenizer] = {}
         self._described: set[tuple[str, str]] = set()
         self._curve = curve_keys.gateway_curve(settings)  # None: plaintext links
@@ -256,7 +259,7 @@ class Workers:
             beat.kv_block_size,
             beat.kv_replay_port,
         )
-        if beat.kv_events_port:
+        if beat.kv_events_port and self.wants_tokenizers:
             self._describe(worker, beat.models)
         # The worker's count includes this gateway's own requests, which
         # in_flight already knows exactly and at once: keep only the rest.

@@ -20,6 +20,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from gateway.dispatch.handle import RequestHandle, WorkerLost
+from gateway.dispatch.policies import make_policy
 from gateway.dispatch.pool import Pool
 from gateway.dispatch.work import WorkOrder
 from gateway.dispatch.workers import Worker, Workers
@@ -341,3 +342,14 @@ def test_with_no_other_worker_a_stall_past_the_timeout_fails_every_request(
         close(pool, stream, waiting)
 
     asyncio.run(run())
+
+
+def test_only_a_kv_gateway_asks_the_workers_for_their_tokenizer(workers: Workers) -> None:
+    state, _ = worker(workers)
+    # It publishes KV events (no block size: nothing to subscribe to here).
+    beat = protocol.Heartbeat("a", "one", ["m"], capacity=8, kv_events_port=5557)
+    workers.on_heartbeat(state, beat)
+    assert not [m for m in state.link.sent if isinstance(m, protocol.Describe)]
+    make_policy("kv", 1.25, 2, workers)
+    workers.on_heartbeat(state, beat)
+    assert [m.model for m in state.link.sent if isinstance(m, protocol.Describe)] == ["m"]

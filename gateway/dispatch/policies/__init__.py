@@ -111,7 +111,10 @@ def make_policy(
 
 
 class CacheView(Protocol):
-    """What the kv policy reads of the workers: their KV events and tokenizers."""
+    """What the kv policy reads of the workers: their KV events and tokenizers
+    (which they fetch only once it says it wants them)."""
+
+    wants_tokenizers: bool
 
     @property
     def kv(self) -> KvEvents: ...

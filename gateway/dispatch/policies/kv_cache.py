@@ -68,6 +68,7 @@ class CacheAware:
     uses_key = True
 
     def __init__(self, caches: CacheView, affinity: PrefixAffinity) -> None:
+        caches.wants_tokenizers = True
         self.caches = caches
         self.affinity = affinity
         # Placement key -> (worker address, its incarnation), oldest first.
