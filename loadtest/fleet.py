@@ -19,7 +19,11 @@ empty caches:
   in all, each behind 4 different questions in a shuffled order: each
   engine's share fits its cache, every document everywhere would not;
 * ``hot``: ``--hot-requests`` (5,000), 80% of them behind one system
-  prompt of about 1,000 tokens, the rest behind prompts of their own.
+  prompt of about 1,000 tokens, the rest behind prompts of their own;
+* ``churn``: the agents workload while an engine restarts every
+  ``--churn-every`` (5) seconds, the next one each time: its requests are
+  lost mid-answer (they move on), its cache is empty, and it comes back as
+  a new incarnation (as an engine that joins would).
 
 Reported per workload, policy and gateway count: the prompt tokens the
 engines computed against the floor (what one infinite cache shared by all
@@ -39,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import random
 import sys
@@ -61,7 +66,7 @@ from loadtest.sim_engine import CacheModel
 from shared.ports import free_port, free_port_range
 
 POLICIES = ("round-robin", "least-load", "prefix", "kv")
-WORKLOADS = ("agents", "rag", "hot")
+WORKLOADS = ("agents", "rag", "hot", "churn")
 # Words of a text, for about the tokens asked (the embedded tokenizer makes
 # about 1.4 tokens of each of conversations' words).
 TOKENS_PER_WORD = 1.4
@@ -161,10 +166,17 @@ def hot(args: argparse.Namespace, tag: str) -> list[list[Request]]:
 
 
 async def drive(
-    urls: list[str], streams: list[list[Request]], clients: int, max_tokens: int
+    urls: list[str],
+    streams: list[list[Request]],
+    clients: int,
+    max_tokens: int,
+    fleet: FleetProcess | None = None,
+    churn_every: float = 0.0,
 ) -> tuple[list[float], int, float]:
     """Every stream's requests in order, ``clients`` streams at a time (client i uses
-    ``urls[i % len(urls)]``); returns the TTFTs in ms, the errors and the seconds."""
+    ``urls[i % len(urls)]``); returns the TTFTs in ms, the errors (an HTTP
+    error or an error event) and the seconds. With ``churn_every``, an engine
+    of ``fleet`` restarts that often, the next one each time."""
     pending = list(reversed(streams))
     ttfts: list[float] = []
     errors = 0
@@ -190,7 +202,9 @@ async def drive(
                                 errors += 1
                                 break
                             async for line in r.aiter_lines():
-                                if first is None and line.startswith("data: {"):
+                                if line.startswith('data: {"error"'):
+                                    errors += 1
+                                elif first is None and line.startswith("data: {"):
                                     first = time.perf_counter()
                     except httpx.HTTPError:
                         errors += 1
@@ -198,8 +212,26 @@ async def drive(
                     if first is not None:
                         ttfts.append((first - start) * 1000)
 
+    done = asyncio.Event()
+
+    async def restarts() -> None:
+        # Not cancelled mid-ask: the control socket must get its reply.
+        assert fleet is not None
+        for engine in itertools.count():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), churn_every)
+            if done.is_set():
+                return
+            await asyncio.to_thread(fleet.ask, f"restart {engine}")
+
     started = time.perf_counter()
-    await asyncio.gather(*(client(i) for i in range(clients)))
+    churning = asyncio.create_task(restarts()) if churn_every > 0 and fleet is not None else None
+    try:
+        await asyncio.gather(*(client(i) for i in range(clients)))
+    finally:
+        done.set()
+        if churning is not None:
+            await churning
     return ttfts, errors, time.perf_counter() - started
 
 
@@ -393,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--users", type=int, default=1024, help="conversations (agents)")
     parser.add_argument("--turns", type=int, default=8, help="turns of a conversation (agents)")
     parser.add_argument("--hot-requests", type=int, default=5000)
+    parser.add_argument(
+        "--churn-every", type=float, default=5.0, help="seconds between restarts (churn)"
+    )
     parser.add_argument("--clients", type=int, default=64, help="concurrent clients")
     parser.add_argument("--max-tokens", type=int, default=4, help="tokens per answer")
     parser.add_argument(
@@ -423,15 +458,16 @@ def main(argv: list[str] | None = None) -> int:
                 with gateways(policy, count, fleet.addresses, run_dir, extra) as urls:
                     for workload in workloads:
                         tag = f"{workload} {policy} {count} {started:%H%M%S}"
-                        if workload == "agents":
+                        if workload in ("agents", "churn"):
                             streams = agents(args, tag)
                         elif workload == "rag":
                             streams = rag(args, tag, cache_tokens)
                         else:
                             streams = hot(args, tag)
                         fleet.ask("clear")
+                        churn = args.churn_every if workload == "churn" else 0.0
                         ttfts, errors, seconds = asyncio.run(
-                            drive(urls, streams, args.clients, args.max_tokens)
+                            drive(urls, streams, args.clients, args.max_tokens, fleet, churn)
                         )
                         stats = fleet.ask("stats")
                         result = summarize(workload, policy, count, stats, ttfts, errors, seconds)

@@ -33,6 +33,7 @@ import json
 import logging
 import signal
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -59,6 +60,8 @@ from worker.prepare import PreparedPrompt
 log = logging.getLogger(__name__)
 
 TOKEN_TEXT = " sim"
+# The id its tokens go out under (a stream that moves carries them).
+TOKEN_ID = 1
 _encode = msgspec.msgpack.Encoder().encode
 
 
@@ -187,7 +190,15 @@ class SimEngine:
             raise RequestError(400, "the SIMULATED engine reads chats and text prompts only")
         tokens = read[0]
         max_tokens = int(params.get("max_tokens") or params.get("max_completion_tokens") or 16)
-        return [PreparedPrompt(None, SimParams(tokens, max_tokens), len(tokens))]
+        carried = 0
+        if continuation is not None:
+            # Moved from an engine that restarted: its tokens end the prompt.
+            carried = len(continuation.token_ids)
+            tokens = [*tokens, *continuation.token_ids]
+            max_tokens -= carried
+            if max_tokens <= 0:
+                raise RequestError(400, "The continued answer has no tokens left to generate.")
+        return [PreparedPrompt(None, SimParams(tokens, max_tokens), len(tokens), carried=carried)]
 
     async def run(
         self,
@@ -207,7 +218,9 @@ class SimEngine:
         try:
             size = self.model.block_size
             keys = block_keys(sim.tokens, size)
-            self.floor.add(keys, len(sim.tokens), size)
+            if not prompts[0].carried:
+                # (A moved request's prompt was counted where it began.)
+                self.floor.add(keys, len(sim.tokens), size)
             async with self._prefill:
                 held = self._held(keys)
                 counts.prompt_tokens += len(sim.tokens)
@@ -227,12 +240,14 @@ class SimEngine:
                         text=TOKEN_TEXT,
                         num_tokens=1,
                         finish_reason="length" if last else None,
+                        token_ids=[TOKEN_ID],
                     )
                 ]
         finally:
             self.running -= 1
             counts.held_seconds += time.monotonic() - arrived
-        usage = protocol.Usage(len(sim.tokens), sim.max_tokens)
+        carried = prompts[0].carried
+        usage = protocol.Usage(len(sim.tokens) - carried, sim.max_tokens + carried)
         yield [protocol.Delta(request_id=request_id, index=0, usage=usage)]
 
     def load(self) -> tuple[int, int, float]:
@@ -284,6 +299,11 @@ class SimEngine:
             events.append(BlockRemoved(evicted))
         self._publish(events)
 
+    def restart(self) -> None:
+        """Its cache lost, as an engine that restarts loses it (counts kept)."""
+        self._cache.clear()
+        self._publish([AllBlocksCleared()])
+
     def clear(self) -> None:
         """Everything evicted (between runs): the gateways' indexes empty too."""
         self._cache.clear()
@@ -301,8 +321,9 @@ class SimEngine:
 class Fleet:
     """``engines`` simulated engines in one process, each behind the real worker loop
     (``worker.server.WorkerServer``) on its own port, with a control socket:
-    ``stats`` (every engine's counts and the floor, JSON) and ``clear`` (caches,
-    counts and floor emptied, between runs)."""
+    ``stats`` (every engine's counts and the floor, JSON), ``clear`` (caches,
+    counts and floor emptied, between runs) and ``restart N`` (engine N
+    crashes and comes back empty, ``churn``)."""
 
     def __init__(self, engines: int, base_port: int, events_base_port: int, model: CacheModel):
         from worker.server import WorkerServer
@@ -328,6 +349,15 @@ class Fleet:
             "floor_tokens": self.floor.tokens,
         }
 
+    def restart(self, index: int) -> None:
+        """Engine ``index`` crashes and comes back at once: its requests lost,
+        its cache empty, a new incarnation in its next heartbeat."""
+        server = self.servers[index]
+        for task in list(server.requests.values()):
+            task.cancel()
+        server.liveness.incarnation = uuid.uuid4().hex
+        self.engines[index].restart()
+
     def _drain_all(self) -> None:
         for server in self.servers:
             asyncio.get_running_loop().create_task(server.drain())
@@ -347,6 +377,9 @@ class Fleet:
         def answer(word: bytes) -> None:
             if word == b"clear":
                 self.clear()
+                sock.send(b"{}")
+            elif word.startswith(b"restart "):
+                self.restart(int(word.split()[1]) % len(self.engines))
                 sock.send(b"{}")
             else:
                 sock.send(json.dumps(self.stats()).encode())

@@ -11,7 +11,8 @@ import zmq
 
 from gateway.dispatch.kv_index import KvIndex, block_keys, decode_batch
 from gateway.dispatch.tokens import PromptTokenizer
-from loadtest.sim_engine import CacheModel, Floor, SimEngine, described_tokenizer
+from loadtest.sim_engine import TOKEN_ID, CacheModel, Floor, SimEngine, described_tokenizer
+from shared import protocol
 from shared.ports import free_port
 
 MODEL = CacheModel(block_size=4, cache_blocks=6, prefill_s_per_token=0.0, step_s=0.0)
@@ -97,3 +98,33 @@ def test_the_floor_counts_each_block_once_whatever_the_engine() -> None:
     floor.add(keys, 42, 4)  # 10 blocks and 2 tokens past the last full one
     floor.add(keys[:6], 26, 4)  # all 6 seen: only the 2 tokens after them
     assert floor.tokens == 42 + 2
+
+
+def test_a_restart_empties_the_cache_and_a_moved_answer_goes_on(
+    engine: tuple[SimEngine, zmq.Socket[bytes]],
+) -> None:
+    """churn: a restarted engine holds nothing (the gateways' indexes hear it);
+    a request moved from one continues with the tokens it carried, counted as
+    the answer's, and its prompt is not counted in the floor again."""
+    sim, sub = engine
+    joined(sub, sim)
+    prompt = list(range(10, 30))
+    asyncio.run(complete(sim, prompt))
+    sim.restart()
+    index = KvIndex()
+    index.apply("sim", decode_batch(sub.recv_multipart()[2]))  # the stored blocks
+    index.apply("sim", decode_batch(sub.recv_multipart()[2]))  # all cleared
+    assert index.blocks_of("sim") == 0 and sim.counts.requests == 1
+    floor = sim.floor.tokens
+
+    async def moved() -> list[protocol.Delta]:
+        carried = protocol.Continuation([TOKEN_ID])
+        params = {"prompt": prompt, "max_tokens": 3}
+        prepared = await sim.prepare("completion", params, carried)
+        return [d async for deltas in sim.run("r", prepared) for d in deltas]
+
+    deltas = asyncio.run(moved())
+    assert all(d.token_ids == [TOKEN_ID] for d in deltas if d.num_tokens)
+    assert sum(d.num_tokens for d in deltas) == 2
+    assert deltas[-1].usage == protocol.Usage(len(prompt), 3)
+    assert sim.floor.tokens == floor
