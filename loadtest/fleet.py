@@ -21,7 +21,7 @@ empty caches:
 * ``hot``: ``--hot-requests`` (5,000), 80% of them behind one system
   prompt of about 1,000 tokens, the rest behind prompts of their own;
 * ``churn``: the agents workload while an engine restarts every
-  ``--churn-every`` (5) seconds, the next one each time: its requests are
+  ``--churn-every`` (2) seconds, the next one each time: its requests are
   lost mid-answer (they move on), its cache is empty, and it comes back as
   a new incarnation (as an engine that joins would).
 
@@ -426,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--turns", type=int, default=8, help="turns of a conversation (agents)")
     parser.add_argument("--hot-requests", type=int, default=5000)
     parser.add_argument(
-        "--churn-every", type=float, default=5.0, help="seconds between restarts (churn)"
+        "--churn-every", type=float, default=2.0, help="seconds between restarts (churn)"
     )
     parser.add_argument("--clients", type=int, default=64, help="concurrent clients")
     parser.add_argument("--max-tokens", type=int, default=4, help="tokens per answer")
