@@ -88,6 +88,8 @@ class Attempts:
     hinted: bool = False
     # The latest attempt's handle: what the engine computed for it.
     handle: RequestHandle | None = None
+    # A request that moved on mid-answer: what it carried to that attempt.
+    moved: Seam | None = None
 
     @property
     def log_extra(self) -> dict[str, str]:
@@ -135,7 +137,9 @@ class Attempts:
                 if moved is None:
                     break
                 handle, first = moved
+                self.moved = moving
             retries = self._retry(retries, handle, outcome)
+            self.moved = None
             self.forget_output()
 
     async def start(
@@ -172,8 +176,12 @@ class Attempts:
 
     def computed(self) -> protocol.Usage | None:
         """What the engine computed for the latest attempt, so far (the one the
-        client was being answered from: a retried attempt is not billed)."""
-        return self.handle.computed() if self.handle is not None else None
+        client was being answered from: a retried attempt is not billed), the
+        tokens a move carried to it included."""
+        handle = self.handle
+        if handle is None:
+            return None
+        return self.moved.computed(handle) if self.moved is not None else handle.computed()
 
     def forget_output(self) -> None:
         """The request runs again from scratch (a retry, an escalation)."""

@@ -17,6 +17,7 @@ from prometheus_client import REGISTRY
 from gateway import errors
 from gateway.api.attempts import Attempts, Retries
 from gateway.api.failures import retryable
+from gateway.api.migration import Seam
 from gateway.dialects import sse
 from gateway.dispatch.handle import WorkerLost
 from gateway.dispatch.models import Target, Tier
@@ -201,3 +202,46 @@ async def test_output_recorded_for_the_cache_is_forgotten_with_the_attempt(pool:
     answer(pool, b, rid, "kept")
     await task
     assert [d.text for d in recorded] == ["kept"]
+
+
+async def test_a_whole_request_that_moved_is_billed_what_both_workers_made(pool: Pool) -> None:
+    """Cut after its move (the client left), it is billed the prompt once, the
+    tokens it carried and those the next worker made: not the last worker's
+    count alone."""
+    a, b = healthy_worker(pool, "a"), healthy_worker(pool, "b")
+    run = attempts(pool)
+    raw = {"prompt": "hi"}
+
+    async def resume(carried: protocol.Continuation, failed: str) -> Any:
+        return await run.start(M, raw, carried, frozenset({failed}), movable=True)
+
+    task = asyncio.create_task(run.run(M, raw, lambda: Seam(2, resume)))
+    rid = await sent_to(a)
+    pool.worker_output(
+        a.link,
+        protocol.Deltas(
+            items=[
+                protocol.Delta(rid, 0, "Pa", 1, prompt_tokens=3, token_ids=[5]),
+                protocol.Delta(rid, 0, "ris", 1, token_ids=[6]),
+            ]
+        ),
+    )
+    pool.workers.lose(a, "its connection dropped")
+    moved = await generated(b)
+    assert moved.continuation == protocol.Continuation([5, 6], len("Paris"))
+    pool.worker_output(
+        b.link,
+        protocol.Deltas(
+            # The next worker counts the prompt without the carried tokens.
+            items=[protocol.Delta(moved.request_id, 0, " is", 1, prompt_tokens=3, token_ids=[7])]
+        ),
+    )
+    for _ in range(100):
+        if "".join(run.builder.choices[0].text) == "Paris is":
+            break
+        await asyncio.sleep(0)
+    assert "".join(run.builder.choices[0].text) == "Paris is"
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert run.computed() == protocol.Usage(3, 3)
