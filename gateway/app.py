@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp
 
-from gateway import batch, endpoints, errors, metrics, openapi, tenants, tracing
+from gateway import background, batch, endpoints, errors, metrics, openapi, tenants, tracing
 from gateway.api import (
     auth,
     direct,
@@ -119,7 +119,11 @@ def create_api(settings: GatewaySettings, keys: auth.KeyRing | None = None) -> S
             pool.interactive_since,
             keyring,
         )
-        app.services = Services(settings, pool, limits, cache, store, batches, keyring)
+        # Background responses, run below the key check as their owner's key.
+        runner = background.start(
+            settings.store, settings.routing, store, below_keys(app, keyring), keyring
+        )
+        app.services = Services(settings, pool, limits, cache, store, batches, keyring, runner)
         # What start-up built (FastAPI, pydantic, routes) lives as long as the
         # process: frozen, the cyclic collector stops walking it again every
         # few hundred requests.
@@ -135,6 +139,7 @@ def create_api(settings: GatewaySettings, keys: auth.KeyRing | None = None) -> S
             yield
         finally:
             flusher.cancel()
+            await runner.stop()
             await batches.stop()
             await store.stop()
             if cache is not None:

@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> None:
         settings.refuse("llmgate gateway: --timeout-keep-alive must be at least 1 second")
     if gateway.batch.batch_lease_seconds < 3:
         settings.refuse("llmgate gateway: --batch-lease-seconds must be at least 3")
+    if gateway.store.background_lease_seconds < 3:
+        settings.refuse("llmgate gateway: --background-lease-seconds must be at least 3")
     # The app factory reads its settings from the environment, in this
     # process or in uvicorn's worker processes alike.
     os.environ.update(settings.to_environment(gateway))

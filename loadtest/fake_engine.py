@@ -24,7 +24,8 @@ machine. ``hold`` closes the gate again for the requests that come after.
 
 It never stands in for vLLM in a feature test: the prompt is not read
 beyond a rough whitespace count for ``usage``, and sampling fields other
-than ``n``, ``max_tokens`` and ``logprobs`` are ignored.
+than ``n``, ``max_tokens`` and ``logprobs`` are ignored. Of vLLM's own
+routes it answers only a streamed ``/v1/responses`` (``fake_responses``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from loadtest import fake_responses
 from shared import protocol, settings
 from shared.logs import setup_logging
 from worker.engine_api import ModelEngine
@@ -138,11 +140,31 @@ class FakeEngine:
     def engine_priority(self, priority: int) -> int:
         return 0  # one first-come line, as vLLM's default policy
 
-    def passthrough(
+    async def passthrough(
         self, request_id: str, params: dict[str, Any], model: str = "", priority: int = 0
     ) -> AsyncIterator[list[protocol.Delta]]:
-        """Refused: there is no vLLM server here (the real engine's answer before its start)."""
-        raise RequestError(503, "the FAKE engine has no vLLM server for this request")
+        """A streamed Responses request (``loadtest.fake_responses``); any
+        other of vLLM's routes is refused: there is no vLLM server here."""
+        body = params.get("body")
+        if params.get("path") != "/v1/responses" or not (
+            isinstance(body, dict) and body.get("stream")
+        ):
+            raise RequestError(503, "the FAKE engine has no vLLM server for this request")
+        tokens = self.tokens or int(body.get("max_output_tokens") or DEFAULT_MAX_TOKENS)
+
+        async def before_token(step: int) -> None:
+            if step == self.gate.after:
+                await self.gate.wait()
+            elif self.token_interval:
+                await asyncio.sleep(self.token_interval)
+
+        self.running += 1
+        try:
+            async for chunk in fake_responses.events(body, TOKEN_TEXT, tokens, before_token):
+                yield [protocol.Delta(request_id=request_id, index=0, raw=chunk)]
+        finally:
+            self.running -= 1
+        yield [protocol.Delta(request_id=request_id, index=0, usage=protocol.Usage(1, tokens))]
 
     async def prepare(
         self,

@@ -283,6 +283,22 @@ class StoreSettings(Settings):
         float,
         _help("days a stored response (Responses API, store: true) is kept, as OpenAI's 30"),
     ] = 30.0
+    background_events_hours: Annotated[
+        float,
+        _help(
+            "hours a background response (Responses API, background: true) keeps its "
+            "stream's events for a client to resume from (starting_after); its stored "
+            "response is kept --responses-days"
+        ),
+    ] = 24.0
+    background_lease_seconds: Annotated[
+        float,
+        _help(
+            "seconds a background response stays with the gateway process running it, "
+            "renewed every third of it: a replica that dies leaves its responses to the "
+            "others after at most this long (at least 3)"
+        ),
+    ] = 30.0
     batch_output_days: Annotated[
         float,
         _help("days a batch's output and error files are kept; 0 = until deleted"),

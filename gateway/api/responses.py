@@ -68,15 +68,7 @@ def not_found(response_id: str) -> errors.NotFound:
 async def check_id(store: State, body: dict[str, Any], owner: str | None) -> None:
     """400 for a request that names as its response's id (vLLM's ``request_id``)
     one that another key's stored response holds: said before the request
-    runs, not after (the store refuses it too, the guard against a race).
-    400 too for ``background``: vLLM keeps such a response in the one worker
-    process that runs it, owned by no key, where no replica could poll it."""
-    if body.get("background"):
-        raise errors.BadRequest(
-            "Background responses are not supported by this gateway yet; "
-            "send the request without `background` (stream it to follow it as it goes).",
-            "background",
-        )
+    runs, not after (the store refuses it too, the guard against a race)."""
     chosen = body.get("request_id")
     if isinstance(chosen, str) and await store.call(store.responses.taken, chosen, owner):
         raise errors.BadRequest(

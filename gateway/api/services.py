@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 
 from gateway.api.auth import KeyRing
+from gateway.background import Runner
 from gateway.batch import Batches
 from gateway.cache import ResponseCache
 from gateway.dispatch.pool import Pool
@@ -36,6 +37,8 @@ class Services:
     store: State
     batches: Batches
     keys: KeyRing
+    # Runs background responses (gateway.background).
+    background: Runner
 
     @property
     def ledger(self) -> Ledger:

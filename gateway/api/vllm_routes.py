@@ -18,18 +18,21 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from gateway import errors
+from gateway import background, errors
 from gateway.api import responses
 from gateway.api.call import Call
+from gateway.api.headers import STREAM_HEADERS
 from gateway.api.http import read_body
 from gateway.api.services import services_of
 from gateway.context import context_of
 from gateway.dialects import schemas, sse
 from gateway.dialects.jsonresp import json_response
 from gateway.endpoints import Endpoints
+from gateway.state.background import OPEN
 from shared import routes
 
 
@@ -91,6 +94,8 @@ async def create_response(request: Request) -> Response:
     previous = None
     if isinstance(previous_id, str) and previous_id:
         previous = await responses.load(store, previous_id, context_of(request.scope).viewer)
+    if raw.get("background"):
+        return await _create_background(request, raw, previous, previous_id)
     if previous is None and not raw.get("store", True):
         return await forward(request, routes.RESPONSES.path, raw)  # nothing to keep or expand
     recorder = responses.Recorder(
@@ -110,6 +115,73 @@ async def create_response(request: Request) -> Response:
     return Response(patched, media_type=response.media_type, headers=_headers(response))
 
 
+async def _create_background(
+    request: Request, raw: dict[str, Any], previous: responses.Record | None, previous_id: Any
+) -> Response:
+    """Store it queued for a runner (``gateway.background``); the response
+    now, or, with ``stream``, its events as they come."""
+    services = services_of(request)
+    body = schemas.validate(raw, schemas.VllmRequest)
+    if not body.model:
+        await services.pool.wait_for_worker()
+        served = services.pool.models()
+        if not served:
+            raise errors.NoWorker("No worker is serving any model.")
+        body.model = served[0]
+    context = context_of(request.scope)
+    if context.key is not None and not context.key.allows(body.model):
+        raise errors.Forbidden(
+            f"The API key {context.key.name!r} may not use the model `{body.model}`.", "model"
+        )
+    wire = responses.continued(raw, previous) if previous is not None else raw
+    created = await background.create(
+        services.store,
+        services.background,
+        wire,
+        body.model,
+        str(previous_id) if previous is not None else "",
+        context.owner,
+    )
+    if not raw.get("stream"):
+        return json_response(created)
+    return await _events(request, created["id"], -1)
+
+
+async def _events(request: Request, response_id: str, after: int) -> Response:
+    """A background response's stream after event ``after``, from the store."""
+    services = services_of(request)
+    viewer = context_of(request.scope).viewer
+    first = await background.opened(services.store, response_id, after, viewer)
+    if first is None:
+        if await responses.load(services.store, response_id, viewer) is None:
+            raise responses.not_found(response_id)
+        raise errors.BadRequest(
+            f"Response {response_id!r} was not created with `background`: only a "
+            "background response's events are kept to stream again.",
+            "stream",
+        )
+    events = background.follow(
+        services.store, services.background.notices, response_id, after, first, viewer
+    )
+    return StreamingResponse(events, media_type="text/event-stream", headers=STREAM_HEADERS)
+
+
+def _starting_after(request: Request) -> int:
+    given = request.query_params.get("starting_after")
+    if given is None:
+        return -1
+    try:
+        after = int(given)
+    except ValueError:
+        after = -2
+    if after < -1:
+        raise errors.BadRequest(
+            f"`starting_after` must be an event's sequence number (0 or more), not {given!r}.",
+            "starting_after",
+        )
+    return after
+
+
 # GET and cancel by id answer from the store alone, never from a worker: the
 # gateway stores every response it was asked to store, so an id it does not
 # hold (for this key) is unknown or another key's. What a worker's vLLM keeps
@@ -117,6 +189,8 @@ async def create_response(request: Request) -> Response:
 # no key: forwarding would let any key read or cancel it, and the pool would
 # send the request to any worker of the model, not the one that ran it.
 async def retrieve_response(request: Request, response_id: str) -> Response:
+    if request.query_params.get("stream", "").lower() == "true":
+        return await _events(request, response_id, _starting_after(request))
     store = services_of(request).store
     stored = await responses.load(store, response_id, context_of(request.scope).viewer)
     if stored is None:
@@ -132,7 +206,19 @@ def _headers(response: Response) -> dict[str, str]:
 
 
 async def cancel_response(request: Request, response_id: str) -> Response:
-    store = services_of(request).store
+    services = services_of(request)
+    store = services.store
+    viewer = context_of(request.scope).viewer
+    cancelled = await store.call(store.background.cancel, response_id, viewer)
+    if cancelled is not None:
+        before, record = cancelled
+        if before in OPEN:
+            services.background.stop_one(response_id)  # if this process runs it
+        elif before != "cancelled":
+            raise errors.BadRequest(
+                f"Cannot cancel a response that has already ended ({before}).", "response_id"
+            )
+        return json_response(msgspec.json.decode(record, type=responses.Record).response)
     if await responses.load(store, response_id, context_of(request.scope).viewer) is None:
         raise responses.not_found(response_id)
     # A stored response has ended (only completed and incomplete ones are

@@ -28,9 +28,8 @@ from starlette.types import ASGIApp, Message
 
 from gateway import errors, metrics
 from gateway.api.auth import KeyRing
-from gateway.api.request_ids import HEADER as REQUEST_ID_HEADER
+from gateway.api.inner import own_request
 from gateway.batch.jsonl import ENDPOINTS
-from gateway.context import SCOPE_KEY as CONTEXT
 from gateway.context import RequestContext
 from gateway.state import State, Unavailable
 from gateway.state.batches import ACTIVE, STATUSES, Batches, Ending, output_line
@@ -338,44 +337,11 @@ class Runner:
                     f"The API key (id {job.owner!r}) that created this batch was revoked."
                 )
                 return revoked.status, request_id, revoked.body(), False
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(line.body)).encode()),
-            (REQUEST_ID_HEADER, request_id.encode()),
-        ]
-        if not cache:
-            # A batch fills the cache only when asked to (precompute).
-            headers.append((b"cache-control", b"no-store"))
-        scope: dict[str, Any] = {
-            "type": "http",
-            "asgi": {"version": "3", "spec_version": "2.3"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": line.url,
-            "raw_path": line.url.encode(),
-            "query_string": b"",
-            "root_path": "",
-            "headers": headers,
-            "client": None,
-            "server": None,
-            "state": {},
-            CONTEXT: RequestContext(key=key, batch=True),
-        }
-        sent_body = False
+        # A batch fills the cache only when asked to (precompute).
+        no_store = () if cache else ((b"cache-control", b"no-store"),)
         status = 0
         retry_after = False
         chunks: list[bytes] = []
-
-        async def receive() -> Message:
-            nonlocal sent_body
-            if not sent_body:
-                sent_body = True
-                return {"type": "http.request", "body": line.body, "more_body": False}
-            # Then as a client that stays until it is cancelled: the app
-            # watches for this while the request waits or runs.
-            await job.cancelled.wait()
-            return {"type": "http.disconnect"}
 
         async def send(message: Message) -> None:
             nonlocal status, retry_after
@@ -385,7 +351,10 @@ class Runner:
             elif message["type"] == "http.response.body":
                 chunks.append(message.get("body", b""))
 
-        await self.app(scope, receive, send)
+        context = RequestContext(key=key, batch=True)
+        await own_request(
+            self.app, line.url, line.body, request_id, context, job.cancelled, send, no_store
+        )
         if job.cancelled.is_set() and status in (0, 499):
             return None
         raw = b"".join(chunks)

@@ -1,5 +1,5 @@
-"""The gateway's shared state: uploaded files, batch jobs and their lines, stored responses,
-usage per key.
+"""The gateway's shared state: uploaded files, batch jobs and their lines, stored responses
+and background ones, usage per key.
 
 One database for all of it (``gateway.state.db``): SQLite in ``--state-dir``,
 shared by one host's gateway processes, or PostgreSQL (``--state-db``), shared by
@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from gateway import errors
+from gateway.state.background import Background
 from gateway.state.batches import Batches
 from gateway.state.db import Database, Unavailable
 from gateway.state.files import Files
@@ -28,7 +29,17 @@ from gateway.state.response_store import Responses
 from gateway.state.usage import Usage
 from shared.settings import StoreSettings, resolve_state_dir
 
-__all__ = ["Batches", "Database", "Files", "Ledger", "Responses", "State", "Unavailable", "Usage"]
+__all__ = [
+    "Background",
+    "Batches",
+    "Database",
+    "Files",
+    "Ledger",
+    "Responses",
+    "State",
+    "Unavailable",
+    "Usage",
+]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +59,9 @@ class State:
         self.files = Files(self.db)
         self.batches = Batches(self.db, self.files, settings.batch_output_days * DAY)
         self.responses = Responses(self.db, settings.responses_days * DAY)
+        self.background = Background(
+            self.db, self.responses, settings.background_events_hours * 3600
+        )
         self.ready = asyncio.Event()
         # Set once the first try to reach the store has ended, however it did:
         # a local SQLite store is opened by then (/ready waits for it).
@@ -95,6 +109,7 @@ class State:
             try:
                 files = await asyncio.to_thread(self.files.expire)
                 responses = await asyncio.to_thread(self.responses.expire)
+                await asyncio.to_thread(self.background.expire)
                 await asyncio.to_thread(self.usage.expire)
                 if files or responses:
                     log.info(

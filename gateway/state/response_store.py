@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from sqlalchemy import delete, or_, select
+from sqlalchemy import Connection, delete, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from gateway.state.db import Database
@@ -33,6 +33,12 @@ class Responses:
     def put(self, response_id: str, record: bytes, owner: str | None = None) -> None:
         """Store a response under ``response_id`` (replacing its owner's own, or
         an expired one); ``IdTaken`` if a live response of another owner has it."""
+        with self.db.write() as db:
+            if not self.put_in(db, response_id, record, owner):
+                raise IdTaken(response_id)
+
+    def put_in(self, db: Connection, response_id: str, record: bytes, owner: str | None) -> bool:
+        """``put`` inside the transaction ``db``; False if the id is another's."""
         now = int(time.time())
         dialect = postgresql if self.db.postgres else sqlite
         row = {
@@ -53,9 +59,7 @@ class Responses:
                 responses.c.expires_at <= now,
             ),
         ).returning(responses.c.id)
-        with self.db.write() as db:
-            if db.execute(upsert).first() is None:
-                raise IdTaken(response_id)
+        return db.execute(upsert).first() is not None
 
     def taken(self, response_id: str, owner: str | None) -> bool:
         """Whether a live response of another owner than ``owner`` has this id."""

@@ -192,6 +192,47 @@ def _v3_usage_key_names(connection: Connection) -> None:
     connection.execute(text("ALTER TABLE usage ADD COLUMN key_name VARCHAR"))
 
 
+# -- migration 4: background responses and their events ------------------------------
+
+# A background response (``background: true``) the gateway runs itself: its
+# request, where it stands, and the replica running it under a lease.
+background = Table(
+    "background",
+    metadata,
+    Column("id", String, primary_key=True),
+    Column("owner", String),
+    Column("created_at", Integer, nullable=False),
+    # Unix seconds after which it and its events are deleted (its stored
+    # response in ``responses`` keeps its own retention).
+    Column("expires_at", Integer, nullable=False, index=True),
+    # The Responses request as a worker gets it (JSON).
+    Column("request", LargeBinary, nullable=False),
+    # queued, in_progress, then completed, incomplete, failed or cancelled.
+    Column("status", String, nullable=False),
+    Column("lease_owner", String),
+    Column("lease_until", Float),
+    Index("background_status", "status"),
+)
+
+# Its stream's events, in order: what a client resuming after N reads.
+response_events = Table(
+    "response_events",
+    metadata,
+    Column("response_id", String, primary_key=True),
+    Column("seq", Integer, primary_key=True),
+    # The event's JSON (its ``data:``), sequence number included.
+    Column("data", LargeBinary, nullable=False),
+)
+
+_V4 = MetaData()
+for _table in (background, response_events):
+    _table.to_metadata(_V4)
+
+
+def _v4_background(connection: Connection) -> None:
+    _V4.create_all(connection, checkfirst=True)
+
+
 Migration = tuple[int, str, Callable[[Connection], None]]
 
 MIGRATIONS: list[Migration] = [
@@ -202,4 +243,5 @@ MIGRATIONS: list[Migration] = [
         _v2_usage_and_owners,
     ),
     (3, "owners are API key ids; usage rows keep the key's name", _v3_usage_key_names),
+    (4, "background responses and their stream events", _v4_background),
 ]

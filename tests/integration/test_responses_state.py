@@ -118,3 +118,73 @@ def test_an_id_the_store_does_not_hold_is_the_gateways_404(
             }
         cancel = http.post(f"/v1/responses/{made.id}/cancel")
         assert cancel.status_code == 400 and cancel.json()["error"]["param"] == "response_id"
+
+
+# -- background responses ---------------------------------------------------------------
+
+LONGER = {**ASK, "max_output_tokens": 48}
+
+
+def test_a_background_response_is_polled_through_another_replica_to_the_same_answer(
+    replicas: tuple[Served, Served],
+) -> None:
+    """It answers at once (queued), runs on its own, and any replica polls it;
+    greedy, its text is the one the same request gets in the foreground."""
+    first, second = replicas
+    question = "Name three rivers."
+    made = client(first).responses.create(input=question, background=True, **LONGER)
+    assert made.status in ("queued", "in_progress") and made.background
+    found = wait_for_end(second, made.id)
+    assert found.status in ("completed", "incomplete") and found.background
+    assert found.id == made.id and found.created_at == made.created_at
+    foreground = client(first).responses.create(input=question, **LONGER)
+    assert found.output_text == foreground.output_text and found.output_text
+    assert found.usage is not None and found.usage.output_tokens > 0
+    # And continued by id, like any stored response.
+    after = client(second).responses.create(
+        input="Which is longest?", previous_response_id=made.id, **ASK
+    )
+    assert after.usage is not None and after.usage.input_tokens > found.usage.output_tokens
+
+
+def wait_for_end(gateway: Served, response_id: str) -> Any:
+    """The response once it has ended, polled as a client polls (no clock:
+    each poll waits on the stream's next event)."""
+    while True:
+        found = client(gateway).responses.retrieve(response_id)
+        if found.status not in ("queued", "in_progress"):
+            return found
+        with httpx.stream(
+            "GET",
+            f"{gateway.base_url}/v1/responses/{response_id}",
+            params={"stream": "true"},
+            timeout=120,
+        ) as stream:
+            for _ in stream.iter_lines():
+                pass  # read to its end: the response has ended
+
+
+def test_a_dropped_background_stream_resumes_through_another_replica_once_each(
+    replicas: tuple[Served, Served],
+) -> None:
+    """``starting_after`` resumes after the last event the client read: through
+    the other replica, every later event exactly once, and the text whole."""
+    first, second = replicas
+    body = {**LONGER, "input": "Count from one to twenty.", "background": True, "stream": True}
+    read: list[Any] = []
+    with httpx.stream("POST", f"{first.base_url}/v1/responses", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                read.append(json.loads(line[6:]))
+                if read[-1]["type"] == "response.output_text.delta":
+                    break  # the client drops after its first token
+    response_id = read[0]["response"]["id"]
+    after = read[-1]["sequence_number"]
+    resumed = client(second).responses.retrieve(response_id, stream=True, starting_after=after)
+    read += [event.model_dump() for event in resumed]
+    assert [e["sequence_number"] for e in read] == list(range(len(read)))
+    assert read[-1]["type"] in ("response.completed", "response.incomplete")
+    text = "".join(e["delta"] for e in read if e["type"] == "response.output_text.delta")
+    final = read[-1]["response"]
+    assert text and text == final["output"][0]["content"][0]["text"]
+    assert client(first).responses.retrieve(response_id).output_text == text

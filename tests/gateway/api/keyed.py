@@ -16,6 +16,7 @@ import pytest
 
 from gateway.api import auth
 from gateway.app import create_api
+from gateway.background import Notices
 from gateway.state import State
 from gateway.tenants import Limiter
 from shared import api_keys
@@ -43,8 +44,17 @@ class Keyed:
         batches = SimpleNamespace(
             runner=SimpleNamespace(wake=lambda: None), max_file_bytes=settings.batch.max_file_bytes
         )
+        # No background runner either: a background response stays queued.
+        background = SimpleNamespace(
+            wake=lambda: None, stop_one=lambda response_id: None, notices=Notices()
+        )
         self.api.services = SimpleNamespace(  # type: ignore[assignment]
-            settings=settings, store=self.store, batches=batches, keys=self.ring, limits=Limiter()
+            settings=settings,
+            store=self.store,
+            batches=batches,
+            keys=self.ring,
+            limits=Limiter(),
+            background=background,
         )
         self.app = auth.ApiKeyMiddleware(self.api, self.ring)
 

@@ -84,13 +84,41 @@ async def test_the_owner_reads_its_response_and_cannot_cancel_a_finished_one(
                 assert cancel.json()["error"]["param"] == "response_id"
 
 
-async def test_a_background_response_is_refused_since_no_replica_could_poll_it(
+async def test_a_background_response_is_its_keys_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """vLLM keeps it in the one worker process that runs it, owned by no key."""
+    """Another key may not read it, follow its events or cancel it (404, as
+    for an unknown id); its own key cancels it, once; ``store: false`` with
+    ``background`` is refused (a background response is always stored)."""
     async with keyed(tmp_path, monkeypatch) as gateway:
+        body = {"model": "m", "input": "hi", "background": True}
         async with gateway.client("team-a") as client:
-            body = {"model": "m", "input": "hi", "background": True}
-            refused = await client.post("/v1/responses", json=body)
-            assert refused.status_code == 400, refused.text
-            assert refused.json()["error"]["param"] == "background"
+            refused = await client.post("/v1/responses", json={**body, "store": False})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "store"
+            made = await client.post("/v1/responses", json=body)
+            assert made.status_code == 200, made.text
+            response = made.json()
+            assert (response["status"], response["background"]) == ("queued", True)
+        response_id = response["id"]
+        async with gateway.client("team-b") as other:
+            for method, path in (
+                ("GET", f"/v1/responses/{response_id}"),
+                ("GET", f"/v1/responses/{response_id}?stream=true"),
+                ("POST", f"/v1/responses/{response_id}/cancel"),
+            ):
+                answer = await other.request(method, path)
+                assert answer.status_code == 404, (method, path, answer.text)
+        async with gateway.client("team-a") as client:
+            cancelled = await client.post(f"/v1/responses/{response_id}/cancel")
+            assert cancelled.status_code == 200, cancelled.text
+            assert cancelled.json()["status"] == "cancelled"
+            again = await client.post(f"/v1/responses/{response_id}/cancel")
+            assert again.json()["status"] == "cancelled"
+            assert (await client.get(f"/v1/responses/{response_id}")).json()["status"] == (
+                "cancelled"
+            )
+            # Its stream ends: a cancelled response gets no more events.
+            events = await client.get(f"/v1/responses/{response_id}?stream=true")
+            assert events.status_code == 200 and "response.completed" not in events.text
+            bad = await client.get(f"/v1/responses/{response_id}?stream=true&starting_after=x")
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "starting_after"

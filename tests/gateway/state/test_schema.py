@@ -57,12 +57,12 @@ def test_migration_2_keeps_what_a_v1_store_holds_owned_by_no_key(
             )
         )
 
-    assert database.migrate() == [f"2 ({MIGRATIONS[1][1]})", f"3 ({MIGRATIONS[2][1]})"]
+    assert database.migrate() == [f"{v} ({name})" for v, name, _ in MIGRATIONS[1:]]
     assert database.migrate() == []
     with database.read() as db:
         assert db.scalar(select(batches.c.owner).where(batches.c.id == "batch_old")) is None
         versions = list(db.scalars(select(migrations_table.c.version)))
-    assert versions == [1, 2, 3]
+    assert versions == [v for v, _, _ in MIGRATIONS]
     # Rows from before keys: everyone's (no viewer), no key's own.
     assert Files(database).get("file-old") is not None
     assert Files(database).get("file-old", "team-a") is None
@@ -91,7 +91,7 @@ def test_migration_3_keeps_usage_by_key_name_shown_and_owned_by_that_name(
                 "completion_tokens, cached_tokens) VALUES ('team-a', 'm', '2025-06-01', 1, 2, 3, 0)"
             )
         )
-    assert database.migrate() == [f"3 ({MIGRATIONS[2][1]})"]
+    assert database.migrate() == [f"{v} ({name})" for v, name, _ in MIGRATIONS[2:]]
     usage = Usage(database)
     [row] = usage.rows("team-a", None, None, None)
     assert (row["key"], row["key_id"], row["requests"]) == ("team-a", "team-a", 1)
