@@ -24,6 +24,8 @@ from shared.protocol import BANDS, BATCH, INTERACTIVE
 SCOPE_KEY = "llmgate"
 # The header a request asks for a lower band with (``gateway.api.bands``).
 BAND_HEADER = b"x-llmgate-band"
+RESUMABLE_HEADER = b"x-llmgate-resumable"
+LAST_EVENT_ID_HEADER = b"last-event-id"
 
 
 class Grant(Protocol):
@@ -54,6 +56,10 @@ class RequestContext:
     # in ``protocol.BANDS``; it runs in its key's band if that is lower).
     band_header: str | None = None
     asked_band: int = INTERACTIVE
+    # A chat or completion stream's ``x-llmgate-resumable`` and
+    # ``Last-Event-ID`` headers, as sent (``gateway.api.resumable``).
+    resumable: str | None = None
+    last_event_id: str | None = None
 
     @property
     def key_id(self) -> str:

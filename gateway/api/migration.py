@@ -12,12 +12,16 @@ whole (non-streamed) request moves the same way (``Attempts.run``), its
 answer so far kept in its builder.
 
 What does not move (its stream ends with an error event, as before):
-several choices, logprobs, echo, structured output and tools (their state
-is the first engine's), and vLLM's own routes. Stop strings move: the next
-worker sends the text the first engine held back and checks them across
-the seam (``worker.seam_stops``).
+several choices, prompt logprobs and echo (the next worker's prompt is
+another), structured output and tools (their state is the first engine's),
+and vLLM's own routes. Stop strings move: the next worker sends the text
+the first engine held back and checks them across the seam
+(``worker.seam_stops``). Logprobs move: the next worker scores the tokens
+it generates, those before were scored and sent already.
 Tokens whose text the engine held back (the start of a multi-byte
-character) are generated again by the next worker rather than carried.
+character) are generated again by the next worker rather than carried;
+with logprobs, whose entries for them went out already, such a stream
+cannot move.
 """
 
 from __future__ import annotations
@@ -36,12 +40,10 @@ from shared import protocol
 log = logging.getLogger(__name__)
 
 # Fields whose answer depends on state the first engine kept (a grammar, a
-# parser) or that the next worker cannot give again (logprobs of the tokens
-# it is handed, the text held back for a stop string).
+# parser) or on the prompt, which the next worker's is not (its logprobs,
+# its echo).
 _STAYS = frozenset(
     (
-        "logprobs",
-        "top_logprobs",
         "prompt_logprobs",
         "echo",
         "tools",
@@ -87,6 +89,7 @@ class Seam:
         "moves",
         "prompt_tokens",
         "resume",
+        "scored",
     )
 
     def __init__(self, limit: int, resume: Resume) -> None:
@@ -109,6 +112,8 @@ class Seam:
         # Characters of the answer's text sent to the client (the next
         # worker sends what an engine held back for a stop string).
         self.chars = 0
+        # Whether its tokens' logprobs went out with them.
+        self.scored = False
 
     def add(self, delta: protocol.Delta) -> None:
         """One delta that went out to the client."""
@@ -117,6 +122,8 @@ class Seam:
         if delta.finish_reason is not None:
             self.finished = True
         self.chars += len(delta.text)
+        if delta.logprobs:
+            self.scored = True
         if not delta.num_tokens or self.ids is None:
             return
         ids = delta.token_ids
@@ -146,6 +153,9 @@ class Seam:
         it with the failure). Raises the ``errors.GatewayError`` of a move
         that found no worker to take it."""
         if self.ids is None or self.moves >= self.limit or not retryable(failure):
+            return None
+        if self.held and self.scored:
+            # The held tokens' logprobs went out: generated again, they would twice.
             return None
         reason = reason_of(failure)
         worker = handle.answered_by.address

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from gateway.api import vllm_routes
+from gateway.api import resumable, vllm_routes
 from gateway.api.call import Call
 from gateway.api.http import read_body
 from gateway.api.services import services_of
@@ -44,10 +44,15 @@ async def list_models(request: Request) -> Response:
 
 
 async def create_completion(request: Request) -> Response:
+    context = context_of(request.scope)
+    if context.last_event_id is not None:
+        return await resumable.resume(request, routes.COMPLETIONS.path, context.last_event_id)
     settings = services_of(request).settings.http
     raw = schemas.decode_body(await read_body(request, settings.max_body_bytes))
     body = schemas.validate(raw, schemas.CompletionRequest)
     schemas.check_limits(body, settings)
+    if context.resumable is not None and resumable.asked(context, body):
+        return await resumable.begin(request, routes.COMPLETIONS.path, raw, body)
     if schemas.vllm_field("completion", raw) is not None:
         return await vllm_routes.forward(request, routes.COMPLETIONS.path, raw, body=body)
     builder = sse.Completion("", body.model, body.n * _num_prompts(body.prompt), body.logprobs)
@@ -56,10 +61,15 @@ async def create_completion(request: Request) -> Response:
 
 
 async def create_chat_completion(request: Request) -> Response:
+    context = context_of(request.scope)
+    if context.last_event_id is not None:
+        return await resumable.resume(request, routes.CHAT.path, context.last_event_id)
     settings = services_of(request).settings.http
     raw = schemas.decode_body(await read_body(request, settings.max_body_bytes))
     body = schemas.validate(raw, schemas.ChatCompletionRequest)
     schemas.check_limits(body, settings)
+    if context.resumable is not None and resumable.asked(context, body):
+        return await resumable.begin(request, routes.CHAT.path, raw, body)
     if schemas.vllm_field("chat", raw) is not None or _reasoning(
         services_of(request).pool, body.model
     ):

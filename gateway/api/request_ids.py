@@ -23,7 +23,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import errors
-from gateway.context import BAND_HEADER, context_of
+from gateway.context import BAND_HEADER, LAST_EVENT_ID_HEADER, RESUMABLE_HEADER, context_of
 from gateway.endpoints import DIRECT_PATHS, render
 
 HEADER = b"x-request-id"
@@ -51,7 +51,9 @@ def request_id_of(scope: Scope) -> str:
 def assign(scope: Scope) -> tuple[str, errors.BadRequest | None]:
     """Give the request its id: the client's if valid, else a new one (and the
     400 to send). The same pass notes the band the request asks for
-    (``gateway.api.bands`` checks it): one walk of the headers, not two."""
+    (``gateway.api.bands`` checks it) and whether it asks for a resumable
+    stream or resumes one (``gateway.api.resumable``): one walk of the
+    headers, not several."""
     rid = None
     bad = None
     context = context_of(scope)
@@ -64,6 +66,10 @@ def assign(scope: Scope) -> tuple[str, errors.BadRequest | None]:
                     bad = exc
         elif key == BAND_HEADER:
             context.band_header = value.decode("latin-1")
+        elif key == RESUMABLE_HEADER:
+            context.resumable = value.decode("latin-1")
+        elif key == LAST_EVENT_ID_HEADER:
+            context.last_event_id = value.decode("latin-1")
     if rid is None:
         rid = new_request_id()
     context.request_id = rid

@@ -25,7 +25,6 @@ from fastapi.responses import Response, StreamingResponse
 from gateway import background, errors
 from gateway.api import responses
 from gateway.api.call import Call
-from gateway.api.headers import STREAM_HEADERS
 from gateway.api.http import read_body
 from gateway.api.services import services_of
 from gateway.context import context_of
@@ -151,19 +150,19 @@ async def _events(request: Request, response_id: str, after: int) -> Response:
     """A background response's stream after event ``after``, from the store."""
     services = services_of(request)
     viewer = context_of(request.scope).viewer
-    first = await background.opened(services.store, response_id, after, viewer)
-    if first is None:
-        if await responses.load(services.store, response_id, viewer) is None:
-            raise responses.not_found(response_id)
-        raise errors.BadRequest(
-            f"Response {response_id!r} was not created with `background`: only a "
-            "background response's events are kept to stream again.",
-            "stream",
-        )
-    events = background.follow(
-        services.store, services.background.notices, response_id, after, first, viewer
+    path = routes.RESPONSES.path
+    stream = await background.events(
+        services.store, services.background, path, response_id, after, viewer
     )
-    return StreamingResponse(events, media_type="text/event-stream", headers=STREAM_HEADERS)
+    if stream is not None:
+        return stream
+    if await responses.load(services.store, response_id, viewer) is None:
+        raise responses.not_found(response_id)
+    raise errors.BadRequest(
+        f"Response {response_id!r} was not created with `background`: only a "
+        "background response's events are kept to stream again.",
+        "stream",
+    )
 
 
 def _starting_after(request: Request) -> int:

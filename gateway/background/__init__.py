@@ -1,4 +1,5 @@
-"""Background responses (the Responses API's ``background: true``), run by the gateway.
+"""Background responses (the Responses API's ``background: true``) and resumable
+streams, run by the gateway.
 
 ``POST /v1/responses`` with ``background`` stores the request and its
 response (``queued``) in the state store and answers at once (or streams it,
@@ -10,7 +11,10 @@ as they come: ``follow``) and ``POST .../cancel``. A replica that dies
 mid-answer leaves its lease to lapse; another runs the response again and
 goes on after the events sent (``splice``). What vLLM's server does with
 ``background`` stays in one worker process, owned by no key: the workers
-never see it.
+never see it. A chat or completion stream sent with ``x-llmgate-resumable``
+runs the same way (:func:`start_stream`): each event has an SSE ``id``, and
+the same request sent again with ``Last-Event-ID`` resumes it after that
+event through any replica (``kinds``).
 """
 
 from __future__ import annotations
@@ -21,18 +25,21 @@ import uuid
 from typing import Any
 
 import msgspec
+from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp
 
 from gateway import errors
 from gateway.api.auth import KeyRing
+from gateway.api.headers import STREAM_HEADERS
 from gateway.api.responses import Record, input_items
-from gateway.background.follow import Notices, follow, opened, sse
+from gateway.background.follow import Notices, follow, opened
+from gateway.background.kinds import kind_of
 from gateway.background.runner import Runner
 from gateway.state import State
 from gateway.state.response_store import IdTaken
 from shared.settings import RoutingSettings, StoreSettings
 
-__all__ = ["Notices", "Runner", "create", "follow", "opened", "sse", "start"]
+__all__ = ["Notices", "Runner", "create", "events", "start", "start_stream"]
 
 # A seed for a sampled request that has none: a run again draws the same tokens.
 SEED_BOUND = 2**31
@@ -71,8 +78,7 @@ async def create(
     response_id = chosen if isinstance(chosen, str) and chosen else f"resp_{uuid.uuid4().hex}"
     wire = {k: v for k, v in body.items() if k not in ("background", "previous_response_id")}
     wire.update(stream=True, store=False, request_id=response_id, model=model)
-    if wire.get("seed") is None:
-        wire["seed"] = secrets.randbelow(SEED_BOUND)
+    seeded(wire)
     response = {
         "id": response_id,
         "object": "response",
@@ -107,3 +113,35 @@ async def create(
         ) from None
     runner.wake()
     return response
+
+
+def seeded(body: dict[str, Any]) -> None:
+    """Give a request a seed if it has none: a run again draws the same tokens."""
+    if body.get("seed") is None:
+        body["seed"] = secrets.randbelow(SEED_BOUND)
+
+
+async def start_stream(
+    state: State, runner: Runner, path: str, body: dict[str, Any], owner: str | None
+) -> str:
+    """Store a chat or completion stream (``body``) for the runner; its id."""
+    stream_id = uuid.uuid4().hex
+    wire = {**body, "stream": True}
+    seeded(wire)
+    await state.call(
+        state.background.create, stream_id, owner, msgspec.json.encode(wire), None, path
+    )
+    runner.wake()
+    return stream_id
+
+
+async def events(
+    state: State, runner: Runner, path: str, stream_id: str, after: int, viewer: str | None
+) -> StreamingResponse | None:
+    """The stream of ``path`` after its event ``after``, from the store; None
+    if ``viewer`` has no such stream."""
+    first = await opened(state, stream_id, after, viewer, path)
+    if first is None:
+        return None
+    body = follow(state, runner.notices, kind_of(path), path, stream_id, after, first, viewer)
+    return StreamingResponse(body, media_type="text/event-stream", headers=STREAM_HEADERS)

@@ -1,20 +1,22 @@
-"""A background response's event stream, read from the state store: any replica serves it.
+"""A background stream's events, read from the state store: any replica serves it.
 
 ``GET /v1/responses/{id}?stream=true&starting_after=N`` (and a ``POST`` with
-``background`` and ``stream``) sends the stored events numbered above ``N``,
-then each new one as it is stored, and ends after the last (the response has
-ended: completed, incomplete, failed or cancelled). The process that runs the
-response tells its readers at once (:class:`Notices`); a reader on another
-replica looks every ``POLL_SECONDS``.
+``background`` and ``stream``), or a chat or completion request with
+``Last-Event-ID: {id}:{N}``, gets the stored events numbered above ``N``,
+then each new one as it is stored, and the stream ends after the last (it
+has ended: completed, incomplete, failed or cancelled), framed as its kind
+frames them (``gateway.background.kinds``). The process that runs it tells
+its readers at once (:class:`Notices`); a reader on another replica looks
+every ``POLL_SECONDS``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator
 
+from gateway.background.kinds import Kind
 from gateway.state import State
 from gateway.state.background import ENDED
 
@@ -46,41 +48,40 @@ class Notices:
                 self._waiting.pop(response_id, None)
 
 
-def sse(data: bytes) -> bytes:
-    """One stored event as vLLM's server and OpenAI frame it."""
-    kind = str(json.loads(data).get("type", ""))
-    return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
-
-
 async def opened(
-    store: State, response_id: str, after: int, viewer: str | None
+    store: State, response_id: str, after: int, viewer: str | None, path: str
 ) -> tuple[str, list[tuple[int, bytes]]] | None:
-    """The first read of a stream: None if ``viewer`` has no such background response."""
-    return await store.call(store.background.events, response_id, after, viewer)
+    """The first read of a stream: None if ``viewer`` has no such stream of ``path``."""
+    return await store.call(store.background.events, response_id, after, viewer, path)
 
 
 async def follow(
     store: State,
     notices: Notices,
+    kind: Kind,
+    path: str,
     response_id: str,
     after: int,
     first: tuple[str, list[tuple[int, bytes]]],
     viewer: str | None,
 ) -> AsyncIterator[bytes]:
     """The events after ``after``, from ``first`` (an :func:`opened` read) on,
-    to the response's end."""
+    to the stream's end."""
     status, events = first
     while True:
         for seq, data in events:
-            yield sse(data)
+            yield kind.frame(response_id, seq, data)
             after = seq
         # The status was read before the events, in one transaction: an
         # ended one means every event was there to read.
         if status in ENDED and not events:
+            closing = kind.closing(status)
+            if closing:
+                yield closing
             return
         if not events:
             await notices.wait(response_id, POLL_SECONDS)
-        read = await store.call(store.background.events, response_id, after, viewer)
+        read = await store.call(store.background.events, response_id, after, viewer, path)
         if read is None:
             return  # expired, or deleted, under the reader
         status, events = read

@@ -1,10 +1,12 @@
-"""The background runner: runs background responses to their end, with every other replica.
+"""The background runner: runs background responses and resumable streams to their end,
+with every other replica.
 
 Every gateway process runs one over the shared state store
-(``gateway.state.background``). It claims queued responses (and those whose
-replica's lease lapsed) and runs each as a streamed ``POST /v1/responses``
-to the gateway's own app, as its owner's key (``gateway.api.inner``): the
-same admission, routing, retries, limits and usage as a client's request.
+(``gateway.state.background``). It claims queued ones (and those whose
+replica's lease lapsed) and runs each as a streamed request to its route
+(``/v1/responses``, or a resumable chat or completion stream's) on the
+gateway's own app, as its owner's key (``gateway.api.inner``): the same
+admission, routing, retries, limits and usage as a client's request.
 Each event of the stream is stored, numbered, as it comes (a few at a time:
 one write per batch of events, while the previous write is under way) for
 any replica's readers (``gateway.background.follow``); the last event ends
@@ -33,12 +35,12 @@ from gateway.api.auth import KeyRing
 from gateway.api.inner import own_request
 from gateway.api.responses import Record
 from gateway.background.follow import Notices
-from gateway.background.splice import TERMINAL, Diverged, Splice
+from gateway.background.kinds import kind_of
+from gateway.background.splice import Diverged, Splice
 from gateway.context import RequestContext
 from gateway.state import State, Unavailable
 from gateway.state.background import Claimed
 from gateway.state.db import owner_name
-from shared import routes
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,8 @@ MOST_AT_ONCE = 64
 RETRY_PAUSES = (1.0, 2.0, 5.0, 10.0, 30.0)
 # The store did not take a write: tried again after this long.
 STORE_PAUSE = 1.0
+# A stored response's fields every event of its stream keeps from the first run.
+FIXED = ("id", "created_at", "background", "store", "previous_response_id")
 
 
 class Runner:
@@ -156,46 +160,48 @@ class Runner:
 
 
 class Run:
-    """One background response in this process: its runs, their events, its end."""
+    """One background response (or stream) in this process: its runs, their
+    events, its end."""
 
     def __init__(self, runner: Runner, claimed: Claimed, leave: asyncio.Event) -> None:
         self.runner = runner
         self.claimed = claimed
         self.leave = leave
-        self.record = msgspec.json.decode(claimed.record, type=Record)
-        sent = [json.loads(data) for data in claimed.sent]
-        response = self.record.response
-        self.fixed: dict[str, Any] = {
-            key: response[key]
-            for key in ("id", "created_at", "background", "store", "previous_response_id")
-            if key in response
-        }
-        self.sent = sent
-        self.writer = Writer(runner, claimed.id, len(sent))
+        self.kind = kind_of(claimed.path)
+        self.sent = [json.loads(data) for data in claimed.sent]
+        self.record: Record | None = None
+        self.fixed: dict[str, Any] = {}
+        if claimed.record is not None:
+            self.record = msgspec.json.decode(claimed.record, type=Record)
+            response = self.record.response
+            self.fixed = {key: response[key] for key in FIXED if key in response}
+        elif self.sent and "created" in self.sent[0]:
+            self.fixed = {"created": self.sent[0]["created"]}
+        self.writer = Writer(runner, claimed.id, len(self.sent))
         # Why a run again cannot go on after the events sent, once it cannot.
         self.diverged = ""
 
     async def run(self) -> None:
         if self.sent:
             log.info(
-                "background response %s: going on after its %d events sent",
+                "background stream %s: going on after its %d events sent",
                 self.claimed.id,
                 len(self.sent),
             )
         context = self.runner.context_of(self.claimed.owner)
         if context is None:
-            return await self.fail("The API key that created this response was revoked.", 401)
+            return await self.fail("The API key that made this request was revoked.", 401)
         pauses = iter(RETRY_PAUSES)
         runs = 0
         while not self.leave.is_set():
-            splice = Splice(list(self.sent), self.fixed)
+            splice = Splice(self.kind, list(self.sent), self.fixed)
             outcome = await self.once(splice, context)
             if self.diverged:
                 log.warning(
-                    "background response %s: cannot go on (%s)", self.claimed.id, self.diverged
+                    "background stream %s: cannot go on (%s)", self.claimed.id, self.diverged
                 )
                 return await self.fail(
-                    "The gateway running this response stopped, and running it again gave "
+                    "The gateway running this request stopped, and running it again gave "
                     "another answer than the one already sent, which cannot be continued."
                 )
             if self.writer.ended or self.writer.lost or self.leave.is_set():
@@ -209,7 +215,7 @@ class Run:
             if status == 200 and splice.seq > 0 and runs < self.runner.max_runs:
                 runs += 1
                 log.info(
-                    "background response %s: its stream broke (%s); running it again",
+                    "background stream %s: its stream broke (%s); running it again",
                     self.claimed.id,
                     why,
                 )
@@ -223,7 +229,7 @@ class Run:
                 await self.leave.wait()
 
     async def once(self, splice: Splice, context: RequestContext) -> tuple[int, str]:
-        """One run: (its HTTP status, why it ended without a last event)."""
+        """One run: (its HTTP status, why it ended without its last event)."""
         status = 0
         buffer = b""
         error_body: list[bytes] = []
@@ -243,12 +249,14 @@ class Run:
             frames, _, buffer = buffer.rpartition(b"\n\n")
             for frame in frames.split(b"\n\n"):
                 for line in frame.split(b"\n"):
-                    if line.startswith(b"data: "):
+                    if line == b"data: [DONE]":
+                        self.writer.add(None, None, "completed")
+                    elif line.startswith(b"data: "):
                         why = self.event(splice, json.loads(line[6:])) or why
 
         await own_request(
             self.runner.app,
-            routes.RESPONSES.path,
+            self.claimed.path,
             self.claimed.request,
             self.claimed.id,
             context,
@@ -261,12 +269,11 @@ class Run:
 
     def event(self, splice: Splice, event: dict[str, Any]) -> str:
         """Store an event of the run; why the stream broke, for an error event."""
-        kind = event.get("type")
         if self.diverged:
             return ""
-        if not isinstance(kind, str) or not kind.startswith("response."):
-            error = event.get("error")
-            return str(error.get("message", "")) if isinstance(error, dict) else "an error"
+        error = self.kind.error(event)
+        if error is not None:
+            return error
         try:
             taken = splice.take(event)
         except Diverged as exc:
@@ -276,36 +283,35 @@ class Run:
         if taken is None:
             return ""
         self.sent.append(taken)  # what a run again in this process repeats
+        ends = self.kind.ends(taken)
         record = None
         response = taken.get("response")
-        if isinstance(response, dict):
+        if self.record is not None and isinstance(response, dict):
             items = self.record.items
-            if kind in TERMINAL:
+            if ends:
                 items = [*items, *response.get("output", [])]
             record = msgspec.json.encode(Record(response, items))
-        self.writer.add(msgspec.json.encode(taken), record, TERMINAL.get(kind, ""))
+        self.writer.add(msgspec.json.encode(taken), record, ends)
         return ""
 
     async def fail(self, message: str, status: int = 500) -> None:
-        """End the response ``failed``, with a last event saying why (OpenAI's
-        codes for a response's error: the request refused, over a limit, or
-        the server's fault)."""
-        response = {**self.record.response, "status": "failed"}
+        """End it ``failed``, with a last event saying why (OpenAI's codes for
+        a response's error: the request refused, over a limit, or the
+        server's fault)."""
         code = "server_error"
         if status == 429:
             code = "rate_limit_exceeded"
         elif 400 <= status < 500:
             code = "invalid_prompt"
-        response["error"] = {"code": code, "message": message}
-        event = {
-            "type": "response.failed",
-            "response": response,
-            "sequence_number": self.writer.next,
-        }
-        record = msgspec.json.encode(Record(response, self.record.items))
+        error = {"code": code, "message": message}
+        base = self.record.response if self.record is not None else {}
+        event = self.kind.failure(base, error, self.writer.next)
+        record = None
+        if self.record is not None:
+            record = msgspec.json.encode(Record(event["response"], self.record.items))
         self.writer.add(msgspec.json.encode(event), record, "failed")
         await self.writer.close()
-        log.warning("background response %s failed: %s", self.claimed.id, message)
+        log.warning("background stream %s failed: %s", self.claimed.id, message)
 
 
 class Writer:
@@ -324,11 +330,14 @@ class Writer:
         self.kick = asyncio.Event()
         self.task = asyncio.create_task(self._loop(), name=f"events of {response_id}")
 
-    def add(self, event: bytes, record: bytes | None, status: str) -> None:
+    def add(self, event: bytes | None, record: bytes | None, status: str) -> None:
+        """An event to store (None: none, only the end), the response's record
+        as it now stands, and the status it ends with (``""``: it goes on)."""
         if self.ended or self.lost:
             return
-        self.pending.append(event)
-        self.next += 1
+        if event is not None:
+            self.pending.append(event)
+            self.next += 1
         if record is not None:
             self.record = record
         if status:

@@ -4,28 +4,23 @@ A run's events are numbered from 0 as they come. The first time, every event
 is new. When the response runs again (its replica died and another took it
 over, or its worker failed mid-answer), the run starts from the beginning:
 its events up to the last one sent are checked against those and dropped, and
-the rest go on after them. The check is on what a client saw: each event's
-type and text (``delta``). A run that says something else where the stored
-events said something (a sampled answer, unseeded, or a tie broken the
-other way) cannot continue them: :class:`Diverged`. The gateway gives each
-background request a seed when it has none, so a run again draws the same
-tokens. Output item ids are made afresh by each run: the new run's are
-renamed to the ones already sent.
-
-Every event's response object is the stored one's: its id, ``created_at``,
-``background`` and ``store`` (the worker ran a plain streamed request).
+the rest go on after them. The check is on what a client saw (the
+stream's kind says what: ``gateway.background.kinds``), each event's type
+and text. A run that says something else where the stored events said
+something (a sampled answer, unseeded, or a tie broken the other way) cannot
+continue them: :class:`Diverged`. The gateway gives each background request
+a seed when it has none, so a run again draws the same tokens. Output item
+ids are made afresh by each run: the new run's are renamed to the ones
+already sent. Every event keeps the first run's fixed fields (a Responses
+event's response: its id, ``created_at``, ``background``, ``store``; a
+chunk's ``created``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# A run's last event, and the status it gives the response.
-TERMINAL = {
-    "response.completed": "completed",
-    "response.incomplete": "incomplete",
-    "response.failed": "failed",
-}
+from gateway.background.kinds import Kind
 
 
 class Diverged(Exception):
@@ -33,9 +28,10 @@ class Diverged(Exception):
 
 
 class Splice:
-    def __init__(self, sent: list[dict[str, Any]], fixed: dict[str, Any]) -> None:
+    def __init__(self, kind: Kind, sent: list[dict[str, Any]], fixed: dict[str, Any]) -> None:
+        self.kind = kind
         self.sent = sent
-        # The fields every response object of the stream carries.
+        # The fields every event of the stream keeps.
         self.fixed = fixed
         self.seq = 0
         # This run's item ids -> those the client already saw.
@@ -50,23 +46,19 @@ class Splice:
         """The event to send (its number set), or None if it was sent already."""
         seq = self.seq
         self.seq += 1
-        response = event.get("response")
-        if isinstance(response, dict):
-            response.update(self.fixed)
+        self.kind.fix(event, self.fixed)
         if seq < len(self.sent):
             before = self.sent[seq]
-            if before.get("type") != event.get("type") or before.get("delta") != event.get("delta"):
-                raise Diverged(
-                    f"event {seq}: {before.get('type')} {before.get('delta')!r} was sent, "
-                    f"the run again gave {event.get('type')} {event.get('delta')!r}"
-                )
+            was, is_now = self.kind.said(before), self.kind.said(event)
+            if was != is_now:
+                raise Diverged(f"event {seq}: {was!r} was sent, the run again gave {is_now!r}")
             for then, now in zip(_ids(before), _ids(event), strict=False):
                 if then != now:
                     self.renamed[now] = then
             return None
         if self.renamed:
             _rename(event, self.renamed)
-        event["sequence_number"] = seq
+        self.kind.number(event, seq)
         return event
 
 

@@ -19,27 +19,35 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
-from sqlalchemy import ColumnElement, and_, delete, insert, or_, select, update
+from sqlalchemy import ColumnElement, Select, and_, delete, insert, or_, select, update
 
 from gateway.state.db import Database
 from gateway.state.response_store import IdTaken, Responses
 from gateway.state.tables import background, response_events, responses
+from shared import routes
 
 OPEN = ("queued", "in_progress")
 ENDED = frozenset({"completed", "incomplete", "failed", "cancelled"})
 
 
+RESPONSES_PATH = routes.RESPONSES.path
+
+
 @dataclass(frozen=True)
 class Claimed:
-    """A background response this replica now runs."""
+    """A background response (or stream) this replica now runs."""
 
     id: str
     owner: str | None
+    # The route it runs on.
+    path: str
     request: bytes
-    # Its stored response (``gateway.api.responses.Record`` as JSON).
-    record: bytes
+    # Its stored response (``gateway.api.responses.Record`` as JSON); None
+    # for a chat or completion stream, which has none.
+    record: bytes | None
     # The events already stored, in order (a takeover goes on after them).
     sent: list[bytes]
 
@@ -51,15 +59,23 @@ class Background:
         # How long a background response's events are kept for resuming.
         self.retention_seconds = retention_seconds
 
-    def create(self, response_id: str, owner: str | None, request: bytes, record: bytes) -> None:
-        """A queued background response; ``IdTaken`` if the id is in use (any
+    def create(
+        self,
+        response_id: str,
+        owner: str | None,
+        request: bytes,
+        record: bytes | None,
+        path: str = RESPONSES_PATH,
+    ) -> None:
+        """A queued background response (with its stored ``record``), or a
+        stream of ``path`` (without); ``IdTaken`` if the id is in use (any
         owner's background response, or another owner's stored response)."""
         now = int(time.time())
         with self.db.write() as db:
             taken = db.scalar(select(background.c.id).where(background.c.id == response_id))
             if taken is not None:
                 raise IdTaken(response_id)
-            if not self.responses.put_in(db, response_id, record, owner):
+            if record is not None and not self.responses.put_in(db, response_id, record, owner):
                 raise IdTaken(response_id)
             db.execute(
                 insert(background).values(
@@ -69,6 +85,7 @@ class Background:
                     expires_at=now + int(self.retention_seconds),
                     request=request,
                     status="queued",
+                    path=path,
                 )
             )
 
@@ -97,20 +114,24 @@ class Background:
             )
             rows = db.execute(
                 select(
-                    background.c.id, background.c.owner, background.c.request, responses.c.record
+                    background.c.id,
+                    background.c.owner,
+                    background.c.path,
+                    background.c.request,
+                    responses.c.record,
                 )
-                .join(responses, responses.c.id == background.c.id)
+                .outerjoin(responses, responses.c.id == background.c.id)
                 .where(background.c.id.in_(ids))
                 .order_by(background.c.created_at)
             ).all()
             claimed = []
-            for response_id, owner, request, record in rows:
+            for response_id, owner, path, request, record in rows:
                 sent = db.scalars(
                     select(response_events.c.data)
                     .where(response_events.c.response_id == response_id)
                     .order_by(response_events.c.seq)
                 )
-                claimed.append(Claimed(response_id, owner, request, record, list(sent)))
+                claimed.append(Claimed(response_id, owner, path, request, record, list(sent)))
             return claimed
 
     def renew(self, runner: str, lease: float, ids: Iterable[str]) -> set[str]:
@@ -158,13 +179,16 @@ class Background:
             return True
 
     def events(
-        self, response_id: str, after: int, viewer: str | None, most: int = 1000
+        self,
+        response_id: str,
+        after: int,
+        viewer: str | None,
+        path: str = RESPONSES_PATH,
+        most: int = 1000,
     ) -> tuple[str, list[tuple[int, bytes]]] | None:
         """The status and the events numbered above ``after`` (at most ``most``);
-        None if ``viewer`` has no such background response."""
-        query = select(background.c.status).where(background.c.id == response_id)
-        if viewer is not None:
-            query = query.where(background.c.owner == viewer)
+        None if ``viewer`` has no such background response (of ``path``)."""
+        query = _mine(response_id, viewer, path)
         with self.db.read() as db:
             status = db.scalar(query)
             if status is None:
@@ -177,10 +201,10 @@ class Background:
             ).all()
             return status, [(seq, data) for seq, data in rows]
 
-    def status(self, response_id: str, viewer: str | None) -> str | None:
-        query = select(background.c.status).where(background.c.id == response_id)
-        if viewer is not None:
-            query = query.where(background.c.owner == viewer)
+    def status(
+        self, response_id: str, viewer: str | None, path: str = RESPONSES_PATH
+    ) -> str | None:
+        query = _mine(response_id, viewer, path)
         with self.db.read() as db:
             found: str | None = db.scalar(query)
             return found
@@ -188,9 +212,7 @@ class Background:
     def cancel(self, response_id: str, viewer: str | None) -> tuple[str, bytes] | None:
         """Cancel it if it is still open: (its status before, its stored record
         now); None if ``viewer`` has no such background response."""
-        query = select(background.c.status).where(background.c.id == response_id)
-        if viewer is not None:
-            query = query.where(background.c.owner == viewer)
+        query = _mine(response_id, viewer, RESPONSES_PATH)
         if self.db.postgres:
             query = query.with_for_update()
         with self.db.write() as db:
@@ -229,6 +251,14 @@ class Background:
             gone = select(background.c.id).where(background.c.expires_at <= now)
             db.execute(delete(response_events).where(response_events.c.response_id.in_(gone)))
             return db.execute(delete(background).where(background.c.expires_at <= now)).rowcount
+
+
+def _mine(response_id: str, viewer: str | None, path: str) -> Select[Any]:
+    """Its status, if ``viewer`` may see it and it runs on ``path``."""
+    query = select(background.c.status).where(
+        background.c.id == response_id, background.c.path == path
+    )
+    return query if viewer is None else query.where(background.c.owner == viewer)
 
 
 def _held(runner: str, ids: list[str]) -> ColumnElement[bool]:

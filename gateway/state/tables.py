@@ -29,6 +29,8 @@ from sqlalchemy import (
     text,
 )
 
+from shared import routes
+
 metadata = MetaData()
 
 # An auto-numbered creation order, for pages to follow (``seq`` columns):
@@ -233,6 +235,24 @@ def _v4_background(connection: Connection) -> None:
     _V4.create_all(connection, checkfirst=True)
 
 
+# -- migration 5: background streams of other routes ---------------------------------
+
+# The route it runs: the Responses API's, or a chat or completion stream a
+# client made resumable (``gateway.background.kinds``).
+background.append_column(
+    Column("path", String, nullable=False, server_default=routes.RESPONSES.path)
+)
+
+
+def _v5_background_paths(connection: Connection) -> None:
+    connection.execute(
+        text(
+            "ALTER TABLE background ADD COLUMN path VARCHAR NOT NULL "
+            f"DEFAULT '{routes.RESPONSES.path}'"
+        )
+    )
+
+
 Migration = tuple[int, str, Callable[[Connection], None]]
 
 MIGRATIONS: list[Migration] = [
@@ -244,4 +264,5 @@ MIGRATIONS: list[Migration] = [
     ),
     (3, "owners are API key ids; usage rows keep the key's name", _v3_usage_key_names),
     (4, "background responses and their stream events", _v4_background),
+    (5, "background streams of chat and completions", _v5_background_paths),
 ]

@@ -30,6 +30,9 @@ from tests.integration.test_pool import metric
 TOKENS = 24
 HOLD_AFTER = 2
 BODY = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": TOKENS}
+# What keeps a stream on its worker (structured output: its grammar state is
+# the engine's; the double ignores it): a stream that cannot move.
+STAYS = {"structured_outputs": {"regex": "( fake)+"}}
 
 
 @dataclass

@@ -11,6 +11,7 @@ text: tests/integration/test_responses_state.py.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import signal
@@ -41,9 +42,12 @@ ASK = {"model": MODEL, "input": "Once upon a time", "max_output_tokens": TOKENS}
 LEASE = ("--background-lease-seconds", "3")
 
 
+_databases = itertools.count()
+
+
 @pytest.fixture
-def database(postgres_server: PostgresServer, request: pytest.FixtureRequest) -> Iterator[str]:
-    yield postgres_server.create_database(f"faults_background_{request.node.name[5:40]}")
+def database(postgres_server: PostgresServer) -> Iterator[str]:
+    yield postgres_server.create_database(f"faults_background_{next(_databases)}")
 
 
 def replica(worker: HeldWorker, tmp_path: Path, name: str, database: str) -> Served:
@@ -254,3 +258,81 @@ def test_a_worker_killed_mid_answer_leaves_it_to_another_worker(tmp_path: Path) 
             assert "its stream broke" in gateway.log_path.read_text("utf-8", "replace")
         finally:
             store.close()
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_resumable_stream_resumes_with_last_event_id_after_its_replica_died(
+    tmp_path: Path, database: str, path: str
+) -> None:
+    """``x-llmgate-resumable``: the client reads each chunk with an SSE id and
+    drops; the replica running it is killed; the same request sent with
+    ``Last-Event-ID`` through the other replica gets every later chunk once
+    (the survivor took the stream over), then ``[DONE]``."""
+    chat = {"messages": [{"role": "user", "content": "Once upon a time"}]}
+    request = {"model": MODEL, "max_tokens": TOKENS, "stream": True}
+    request.update(chat if path == "/v1/chat/completions" else {"prompt": "Once upon a time"})
+    with held_worker(tmp_path / "worker.log") as worker:
+        gateways = [replica(worker, tmp_path, name, database) for name in ("a", "b")]
+        store = Database(database, tmp_path)
+        try:
+            opt_in = {"x-llmgate-resumable": "true"}
+            read = chunks_of(gateways[0], path, request, opt_in, until_tokens=HOLD_AFTER)
+            stream_id = read[-1][0].split(":")[0]
+            [runner] = [g for g in gateways if g.proc.pid == runner_pid(store, stream_id)]
+            [survivor] = [g for g in gateways if g is not runner]
+            stop_serve(runner, signal.SIGKILL)
+            worker.say("release")
+            resumed = {"last-event-id": read[-1][0]}
+            read += chunks_of(survivor, path, {"model": MODEL}, resumed)
+            assert [int(i.split(":")[1]) for i, _ in read if i] == list(range(len(read) - 1))
+            assert read[-1] == ("", "[DONE]")
+            chunks = [json.loads(data) for _, data in read[:-1]]
+            assert "".join(piece_of(c) for c in chunks) == TOKEN_TEXT * TOKENS
+            # One stream: one chunk id and one ``created``, the first run's.
+            assert len({(c["id"], c["created"]) for c in chunks}) == 1, chunks
+            gone = httpx.post(
+                f"{survivor.base_url}{path}",
+                json={"model": MODEL},
+                headers={"last-event-id": "unknown:3"},
+            )
+            assert gone.status_code == 404, gone.text
+        finally:
+            store.close()
+            for gateway in gateways:
+                stop_serve(gateway)
+
+
+def chunks_of(
+    gateway: Served,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    until_tokens: int = 0,
+) -> list[tuple[str, str]]:
+    """(SSE id, data) of each event read, to the end or until ``until_tokens``
+    tokens came (then the client drops)."""
+    read: list[tuple[str, str]] = []
+    tokens = 0
+    url = f"{gateway.base_url}{path}"
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=300) as stream:
+        assert stream.status_code == 200, stream.read()
+        event_id = ""
+        for line in stream.iter_lines():
+            if line.startswith("id: "):
+                event_id = line[4:]
+            elif line.startswith("data: "):
+                read.append((event_id, line[6:]))
+                event_id = ""
+                if line != "data: [DONE]" and piece_of(json.loads(line[6:])):
+                    tokens += 1
+                    if tokens == until_tokens:
+                        break
+    return read
+
+
+def piece_of(chunk: dict[str, Any]) -> str:
+    """A chunk's text (a chat's content, a completion's text)."""
+    return "".join(
+        (c.get("delta") or {}).get("content") or "" if "delta" in c else c.get("text") or ""
+        for c in chunk.get("choices") or []
+    )

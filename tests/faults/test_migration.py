@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -43,23 +44,27 @@ def whole(stream: PlainStream) -> bool:
     )
 
 
-async def start_streams(client: httpx.AsyncClient) -> list[asyncio.Future[PlainStream]]:
+async def start_streams(
+    client: httpx.AsyncClient, body: dict[str, Any]
+) -> list[asyncio.Future[PlainStream]]:
     """``STREAMS`` streams, each under way before the next is sent."""
     streams = []
     for _ in range(STREAMS):
         first = asyncio.Event()
-        reading = read_plain(client, "/v1/completions", BODY, first.set)
+        reading = read_plain(client, "/v1/completions", body, first.set)
         streams.append(asyncio.ensure_future(reading))
         await asyncio.wait_for(first.wait(), 60)
     return streams
 
 
-def run_fault(tmp_path: Path, fault: str) -> tuple[list[PlainStream], HeldWorker, str]:
+def run_fault(
+    tmp_path: Path, fault: str, body: dict[str, Any] = BODY
+) -> tuple[list[PlainStream], HeldWorker, str]:
     with two_held(tmp_path, stall_timeout="300") as (victim, other, gateway):
 
         async def scenario() -> list[PlainStream]:
             async with http_client(gateway) as client:
-                streams = await start_streams(client)
+                streams = await start_streams(client, body)
                 if fault == "kill":
                     victim.proc.kill()
                 elif fault == "drain":
@@ -95,6 +100,14 @@ def test_a_killed_worker_s_streams_move_on_whole(tmp_path: Path) -> None:
     assert sum(s.worker == victim.address for s in streams) == STREAMS // 2, streams
     assert log.count("moving the answer on from") == STREAMS // 2, log
     assert "stream cut" not in log, log
+
+
+def test_streams_with_logprobs_move_on_with_an_entry_per_token(tmp_path: Path) -> None:
+    """The next worker scores the tokens it makes; those before went out scored."""
+    streams, _, log = run_fault(tmp_path, "kill", {**BODY, "logprobs": 1})
+    assert all(whole(s) for s in streams), streams
+    assert all(s.scored == [TOKEN_TEXT] * TOKENS for s in streams), streams
+    assert log.count("moving the answer on from") == STREAMS // 2, log
 
 
 def test_a_stopped_worker_s_streams_move_on_once_its_heartbeats_lapse(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import psutil
 
 from tests.faults.held import (
     BODY,
+    STAYS,
     TOKENS,
     gateway_over,
     held_worker,
@@ -31,11 +32,12 @@ from tests.integration.test_pool import STARVED, metric
 
 
 async def started(client: httpx.AsyncClient) -> tuple[asyncio.Future, asyncio.Future]:  # type: ignore[type-arg]
-    """A plain request and a stream, sent; returns once the stream's first chunk came."""
+    """A plain request and a stream that cannot move, sent; returns once the
+    stream's first chunk came."""
     streaming = asyncio.Event()
     plain = asyncio.ensure_future(client.post("/v1/completions", json=BODY))
     stream = asyncio.ensure_future(
-        read_stream(client, BODY, on_first_chunk=lambda _: streaming.set())
+        read_stream(client, {**BODY, **STAYS}, on_first_chunk=lambda _: streaming.set())
     )
     await asyncio.wait_for(streaming.wait(), 60)
     return plain, stream
@@ -95,7 +97,7 @@ def test_a_gateway_paused_past_the_gateway_timeout_gets_its_requests_ended_not_h
     """The worker gives up on a gateway it has not heard from for
     --gateway-timeout (5 s here) and drops its requests; the gateway, once it
     runs again, must learn of it (a 503 each), not wait for output that never
-    comes: the stream under way, which cannot move (it asks for logprobs),
+    comes: the stream under way, which cannot move (structured output),
     ends with an error event naming the cause, and the plain request goes on
     from its first tokens on the same worker (it was the gateway that
     stalled, not the worker) and ends whole."""

@@ -23,7 +23,7 @@ import zmq
 
 from shared.ports import free_port
 from tests.conftest import MODEL, PATIENCE, ROOT
-from tests.faults.held import HOLD_AFTER
+from tests.faults.held import BODY, HOLD_AFTER
 from tests.faults.test_migration import STREAMS, start_streams, whole
 from tests.harness.waiting import wait_until
 from tests.integration.test_pool import metric
@@ -96,7 +96,7 @@ def test_a_rolling_restart_moves_every_stream_on_and_no_client_sees_it() -> None
 
         async def scenario() -> list[object]:
             async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
-                streams = await start_streams(client)
+                streams = await start_streams(client, BODY)
                 proc.send_signal(signal.SIGHUP)
                 await asyncio.to_thread(output.wait_for, "rolling restart done", 240)
                 # The held streams are all on the new worker-0 now.

@@ -21,6 +21,7 @@ import httpx
 from tests.conftest import Served
 from tests.faults.held import (
     BODY,
+    STAYS,
     TOKENS,
     HeldWorker,
     gateway_over,
@@ -63,14 +64,17 @@ def two_held(tmp_path: Path, stall_timeout: str) -> Iterator[tuple[HeldWorker, H
 async def load_both(
     client: httpx.AsyncClient, gateway: Served, victim: HeldWorker, other: HeldWorker
 ) -> tuple[list[asyncio.Future[Stream]], list[asyncio.Future[httpx.Response]]]:
-    """``EACH`` streams, each under way before the next is sent, then ``EACH``
-    whole requests, each at a worker before the next: half on each worker."""
+    """``EACH`` streams that cannot move, each under way before the next is
+    sent, then ``EACH`` whole requests, each at a worker before the next: half
+    on each worker."""
     streams: list[asyncio.Future[Stream]] = []
     for _ in range(EACH):
         first = asyncio.Event()
         streams.append(
             asyncio.ensure_future(
-                read_stream(client, BODY, on_first_chunk=lambda _, first=first: first.set())
+                read_stream(
+                    client, {**BODY, **STAYS}, on_first_chunk=lambda _, first=first: first.set()
+                )
             )
         )
         await asyncio.wait_for(first.wait(), 60)
@@ -92,7 +96,7 @@ def test_a_stalled_worker_keeps_its_streams_and_they_end_whole(tmp_path: Path) -
 
     Past --heartbeat-timeout (3 s) the gateway marks it down and moves its
     whole requests on to the other worker from the tokens they had; its
-    streams under way, which cannot move (they ask for logprobs), wait for
+    streams under way, which cannot move (structured output), wait for
     it (--stall-timeout). Resumed, it is healthy again and those streams end
     whole, every token once, none cut.
     """

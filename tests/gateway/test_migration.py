@@ -25,7 +25,9 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "stream":
         ("chat", {"temperature": 0.7, "seed": 3, "max_tokens": 9}, True),
         ("chat", {"response_format": {"type": "text"}}, True),
         ("chat", {"n": 2}, False),
-        ("chat", {"logprobs": True}, False),
+        ("chat", {"logprobs": True, "top_logprobs": 2}, True),
+        ("chat", {"prompt_logprobs": 1}, False),
+        ("completion", {"prompt": "Once", "logprobs": 1}, True),
         ("chat", {"stop": ["\n"]}, True),
         ("chat", {"response_format": {"type": "json_object"}}, False),
         ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, False),
@@ -97,6 +99,23 @@ def test_tokens_whose_text_was_held_back_are_generated_again() -> None:
     seam.add(delta([7], text=""))  # the first bytes of a character: no text yet
     move(seam, WorkerLost("gone"), handle("w0", resumes.closed))
     assert resumes.asked == [([5, 6], "w0")]
+
+
+def scored(ids: list[int], text: str = "x") -> protocol.Delta:
+    logprobs = [protocol.TokenLogprob(text, -1.0, token_id=i) for i in ids]
+    return protocol.Delta("r", 0, text, len(ids), token_ids=ids, logprobs=logprobs)
+
+
+def test_a_stream_with_logprobs_moves_unless_their_entries_for_held_tokens_went_out() -> None:
+    resumes = Resumes()
+    seam = Seam(2, resumes)
+    seam.add(scored([5, 6]))
+    assert move(seam, WorkerLost("gone"), handle("w0", resumes.closed)) is not None
+    assert resumes.asked == [([5, 6], "w0")]
+    held = Seam(2, resumes)
+    held.add(scored([5, 6]))
+    held.add(scored([7], text=""))  # scored and sent, its text held back
+    assert move(held, WorkerLost("gone"), handle("w1", resumes.closed)) is None
 
 
 def test_a_stream_moves_at_most_its_limit_and_only_for_a_worker_s_fault() -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from gateway.background.kinds import ChunksKind, ResponsesKind
 from gateway.background.splice import Diverged, Splice
 
 
@@ -23,11 +24,11 @@ FIXED = {"id": "resp_1", "created_at": 1, "background": True}
 
 
 def test_a_run_again_repeats_what_was_sent_and_goes_on_after_it_under_the_same_names() -> None:
-    first = Splice([], FIXED)
+    first = Splice(ResponsesKind(), [], FIXED)
     sent = [first.take(e) for e in run("msg_a", ["One", " two"])[:3]]
     assert [e["sequence_number"] for e in sent if e] == [0, 1, 2]
     assert sent[0] is not None and sent[0]["response"]["created_at"] == 1
-    again = Splice([e for e in sent if e], FIXED)
+    again = Splice(ResponsesKind(), [e for e in sent if e], FIXED)
     out = [again.take(e) for e in run("msg_b", ["One", " two", " three"])]
     assert out[:3] == [None, None, None]
     rest = [e for e in out if e]
@@ -37,9 +38,24 @@ def test_a_run_again_repeats_what_was_sent_and_goes_on_after_it_under_the_same_n
 
 
 def test_a_run_that_says_something_else_cannot_go_on() -> None:
-    first = Splice([], FIXED)
+    first = Splice(ResponsesKind(), [], FIXED)
     sent = [first.take(e) for e in run("msg_a", ["One", " two"])[:4]]
-    again = Splice([e for e in sent if e], FIXED)
+    again = Splice(ResponsesKind(), [e for e in sent if e], FIXED)
     with pytest.raises(Diverged):
         for event in run("msg_b", ["One", " three"]):
             again.take(event)
+
+
+def chunk(text: str, created: int) -> dict[str, Any]:
+    choice = {"index": 0, "delta": {"content": text}, "finish_reason": None}
+    return {"id": "chatcmpl-1", "created": created, "choices": [choice]}
+
+
+def test_chat_chunks_keep_the_first_runs_created_and_must_repeat_its_text() -> None:
+    first = Splice(ChunksKind(), [], {})
+    sent = [first.take(chunk(t, 1)) for t in ("One", " two")]
+    again = Splice(ChunksKind(), [e for e in sent if e], {"created": 1})
+    out = [again.take(chunk(t, 5)) for t in ("One", " two", " three")]
+    assert out[:2] == [None, None] and out[2] == chunk(" three", 1)
+    with pytest.raises(Diverged):
+        Splice(ChunksKind(), [e for e in sent if e], {"created": 1}).take(chunk("Two", 5))

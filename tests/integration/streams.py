@@ -114,16 +114,27 @@ async def read_stream(
 
 @dataclass
 class PlainStream:
-    """A stream read as a client reads it, without logprobs (such a stream may
-    move to another worker mid-answer: gateway/api/migration.py)."""
+    """A stream read as a client reads it (such a stream may move to another
+    worker mid-answer: gateway/api/migration.py)."""
 
     worker: str | None = None
     # Every chunk's id: one, for a stream that reads as one.
     ids: set[str] = field(default_factory=set)
     text: str = ""
+    # The tokens its logprobs entries name, when it asked for them.
+    scored: list[str] = field(default_factory=list)
     usage: dict[str, int] | None = None
     error: str | None = None
     done: bool = False
+
+
+def scored_tokens(logprobs: dict[str, Any] | None) -> list[str]:
+    """The tokens a chunk's logprobs name (a chat's ``content``, a completion's ``tokens``)."""
+    if not logprobs:
+        return []
+    if "content" in logprobs:
+        return [entry["token"] for entry in logprobs["content"] or []]
+    return list(logprobs.get("tokens") or [])
 
 
 async def read_plain(
@@ -151,6 +162,7 @@ async def read_plain(
                 for choice in chunk["choices"]:
                     delta = choice.get("delta")
                     stream.text += (delta.get("content") or "") if delta else choice["text"]
+                    stream.scored += scored_tokens(choice.get("logprobs"))
                 if on_first_chunk is not None:
                     on_first_chunk()
                     on_first_chunk = None

@@ -188,3 +188,45 @@ def test_a_dropped_background_stream_resumes_through_another_replica_once_each(
     final = read[-1]["response"]
     assert text and text == final["output"][0]["content"][0]["text"]
     assert client(first).responses.retrieve(response_id).output_text == text
+
+
+def test_a_resumable_chat_stream_resumes_with_last_event_id_through_another_replica(
+    replicas: tuple[Served, Served],
+) -> None:
+    """``x-llmgate-resumable``: each chunk has an SSE id; after a drop, the same
+    request with ``Last-Event-ID`` through the other replica gets every later
+    chunk once and ``[DONE]``; greedy, the text is the foreground answer's."""
+    first, second = replicas
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Count from one to twenty."}],
+        "max_tokens": 48,
+        "temperature": 0,
+        "stream": True,
+    }
+    read: list[tuple[str, str]] = []
+
+    def take(gateway: Served, headers: dict[str, str], drop: bool) -> None:
+        url = f"{gateway.base_url}/v1/chat/completions"
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as stream:
+            assert stream.status_code == 200, stream.read()
+            event_id = ""
+            for line in stream.iter_lines():
+                if line.startswith("id: "):
+                    event_id = line[4:]
+                elif line.startswith("data: "):
+                    read.append((event_id, line[6:]))
+                    event_id = ""
+                    if drop and '"content":"' in line and '"content":""' not in line:
+                        return  # the client drops after its first text
+
+    take(first, {"x-llmgate-resumable": "true"}, drop=True)
+    take(second, {"last-event-id": read[-1][0]}, drop=False)
+    assert [int(i.split(":")[1]) for i, _ in read[:-1]] == list(range(len(read) - 1))
+    assert read[-1] == ("", "[DONE]")
+    chunks = [json.loads(data) for _, data in read[:-1]]
+    text = "".join((c["delta"].get("content") or "") for chunk in chunks for c in chunk["choices"])
+    foreground = client(first).chat.completions.create(
+        **{k: v for k, v in body.items() if k != "stream"}
+    )
+    assert text and text == foreground.choices[0].message.content

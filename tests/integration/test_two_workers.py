@@ -402,7 +402,9 @@ def test_streams_move_on_to_a_real_engine_when_their_worker_fails(
     double sends the model's own id of " fake"): none ends with an error
     event, each has one id and its usage counts its 24 tokens, and what the
     real engine adds is the greedy continuation of the prompt and those two
-    tokens, as the same engine gives it for a prompt of their ids.
+    tokens, as the same engine gives it for a prompt of their ids. The kill
+    variant asks for logprobs: each stream has an entry for each token, the
+    real engine scoring those it adds.
     """
     from transformers import AutoTokenizer
 
@@ -437,6 +439,7 @@ def test_streams_move_on_to_a_real_engine_when_their_worker_fails(
                     "max_tokens": tokens,
                     "temperature": 0,
                     "ignore_eos": True,
+                    "logprobs": fault == "kill",
                 }
 
             async def run() -> list[PlainStream]:
@@ -489,6 +492,8 @@ def test_streams_move_on_to_a_real_engine_when_their_worker_fails(
         len(o.ids) == 1 and (o.usage or {}).get("completion_tokens") == tokens for o in outcomes
     )
     assert len(references) == streams // 2 == moved, outcomes
+    if fault == "kill":
+        assert all(len(o.scored) == tokens for o in outcomes), outcomes
     continued = {i: outcomes[i].text for i in references}
     assert all(text.startswith(" fake fake") for text in continued.values()), continued
     same = sum(continued[i] == " fake fake" + references[i] for i in references)

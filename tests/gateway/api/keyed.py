@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.api import auth
-from gateway.app import create_api
+from gateway.api import auth, request_ids
+from gateway.app import below_keys, create_api
 from gateway.background import Notices
 from gateway.state import State
 from gateway.tenants import Limiter
@@ -56,7 +56,11 @@ class Keyed:
             limits=Limiter(),
             background=background,
         )
-        self.app = auth.ApiKeyMiddleware(self.api, self.ring)
+        # As gateway.app stacks it: request ids, the key check, then the
+        # direct routes and FastAPI.
+        self.app = request_ids.RequestIds(
+            auth.ApiKeyMiddleware(below_keys(self.api, self.ring), self.ring)
+        )
 
     def id_of(self, name: str) -> str:
         [entry] = [e for e in api_keys.load(self.path) if e.name == name]
