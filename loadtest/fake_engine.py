@@ -179,7 +179,9 @@ class FakeEngine:
         fake = FakeParams(
             n=int(params.get("n") or 1),
             max_tokens=max_tokens,
-            logprobs=params.get("logprobs") not in (None, False),
+            # 0 asks for the sampled token's logprob alone (TGI's streams do):
+            # not ``in (None, False)``, which 0 equals.
+            logprobs=params.get("logprobs") is not None and params.get("logprobs") is not False,
         )
         prompt = rough_prompt_tokens(kind, params) + carried
         return [PreparedPrompt(None, fake, prompt, carried=carried)]

@@ -14,6 +14,7 @@ the tokens it is handed: tests/integration/test_two_workers.py.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from pathlib import Path
 from typing import Any
@@ -173,3 +174,50 @@ def test_whole_requests_go_on_from_their_tokens_too(tmp_path: Path, fault: str) 
         assert response.headers["x-llmgate-worker"] == other.address
     assert log.count(f"moving the answer on from {victim.address}") == 1, log
     assert "retrying" not in log, log
+
+
+async def read_tgi(
+    client: httpx.AsyncClient, started: asyncio.Event
+) -> tuple[list[dict[str, Any]], str]:
+    """A TGI ``/generate_stream``: its token events, and its error if one came."""
+    body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": TOKENS}}
+    events: list[dict[str, Any]] = []
+    async with client.stream("POST", "/generate_stream", json=body) as response:
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                return events, str(event["error"])
+            events.append(event)
+            started.set()
+    return events, ""
+
+
+def test_tgi_streams_move_on_whole_too(tmp_path: Path) -> None:
+    """TGI's token events carry each token's logprob: they move like any
+    stream with logprobs, each token once, the last event's text whole."""
+    with two_held(tmp_path, stall_timeout="300") as (victim, other, gateway):
+
+        async def scenario() -> list[tuple[list[dict[str, Any]], str]]:
+            async with http_client(gateway) as client:
+                streams = []
+                for _ in range(STREAMS):
+                    first = asyncio.Event()
+                    streams.append(asyncio.ensure_future(read_tgi(client, first)))
+                    await asyncio.wait_for(first.wait(), 60)
+                victim.proc.kill()
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: metric(gateway.base_url, "llmgate_migrations_total") == STREAMS // 2,
+                    f"{STREAMS // 2} streams moved",
+                )
+                other.say("release")
+                return list(await asyncio.gather(*streams))
+
+        outcomes = asyncio.run(scenario())
+    for events, error in outcomes:
+        assert not error, (error, events)
+        assert [e["index"] for e in events] == list(range(1, TOKENS + 1)), events
+        assert [e["token"]["text"] for e in events] == [TOKEN_TEXT] * TOKENS
+        assert events[-1]["generated_text"] == TOKEN_TEXT * TOKENS
