@@ -327,6 +327,7 @@ class Writer:
         self.status = ""
         self.ended = False  # its last event is added
         self.lost = False  # cancelled, or another replica's now
+        self.closing = False  # what is left is written, then it stops
         self.kick = asyncio.Event()
         self.task = asyncio.create_task(self._loop(), name=f"events of {response_id}")
 
@@ -351,8 +352,6 @@ class Writer:
         self.kick.set()
         with contextlib.suppress(asyncio.CancelledError):
             await self.task
-
-    closing = False
 
     async def _loop(self) -> None:
         store = self.runner.state.background

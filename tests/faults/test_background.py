@@ -32,6 +32,7 @@ from tests.conftest import MODEL, Served, start_gateway, stop_serve
 from tests.faults.held import HOLD_AFTER, HeldWorker, gateway_over, held_worker, running_at
 from tests.harness.postgres_server import PostgresServer
 from tests.harness.waiting import wait_until
+from tests.integration.streams import events_with_ids, piece_of
 
 TOKENS = 8
 # Events stored before the gate: created, in progress, item and part added,
@@ -276,14 +277,15 @@ def test_a_resumable_stream_resumes_with_last_event_id_after_its_replica_died(
         store = Database(database, tmp_path)
         try:
             opt_in = {"x-llmgate-resumable": "true"}
-            read = chunks_of(gateways[0], path, request, opt_in, until_tokens=HOLD_AFTER)
+            url = f"{gateways[0].base_url}{path}"
+            read = events_with_ids(url, request, opt_in, until_pieces=HOLD_AFTER)
             stream_id = read[-1][0].split(":")[0]
             [runner] = [g for g in gateways if g.proc.pid == runner_pid(store, stream_id)]
             [survivor] = [g for g in gateways if g is not runner]
             stop_serve(runner, signal.SIGKILL)
             worker.say("release")
             resumed = {"last-event-id": read[-1][0]}
-            read += chunks_of(survivor, path, {"model": MODEL}, resumed)
+            read += events_with_ids(f"{survivor.base_url}{path}", {"model": MODEL}, resumed)
             assert [int(i.split(":")[1]) for i, _ in read if i] == list(range(len(read) - 1))
             assert read[-1] == ("", "[DONE]")
             chunks = [json.loads(data) for _, data in read[:-1]]
@@ -300,39 +302,3 @@ def test_a_resumable_stream_resumes_with_last_event_id_after_its_replica_died(
             store.close()
             for gateway in gateways:
                 stop_serve(gateway)
-
-
-def chunks_of(
-    gateway: Served,
-    path: str,
-    body: dict[str, Any],
-    headers: dict[str, str],
-    until_tokens: int = 0,
-) -> list[tuple[str, str]]:
-    """(SSE id, data) of each event read, to the end or until ``until_tokens``
-    tokens came (then the client drops)."""
-    read: list[tuple[str, str]] = []
-    tokens = 0
-    url = f"{gateway.base_url}{path}"
-    with httpx.stream("POST", url, json=body, headers=headers, timeout=300) as stream:
-        assert stream.status_code == 200, stream.read()
-        event_id = ""
-        for line in stream.iter_lines():
-            if line.startswith("id: "):
-                event_id = line[4:]
-            elif line.startswith("data: "):
-                read.append((event_id, line[6:]))
-                event_id = ""
-                if line != "data: [DONE]" and piece_of(json.loads(line[6:])):
-                    tokens += 1
-                    if tokens == until_tokens:
-                        break
-    return read
-
-
-def piece_of(chunk: dict[str, Any]) -> str:
-    """A chunk's text (a chat's content, a completion's text)."""
-    return "".join(
-        (c.get("delta") or {}).get("content") or "" if "delta" in c else c.get("text") or ""
-        for c in chunk.get("choices") or []
-    )

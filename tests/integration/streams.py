@@ -167,3 +167,35 @@ async def read_plain(
                     on_first_chunk()
                     on_first_chunk = None
     return stream
+
+
+def events_with_ids(
+    url: str, body: dict[str, Any], headers: dict[str, str], until_pieces: int = 0
+) -> list[tuple[str, str]]:
+    """POST a resumable stream (or its resumption) and read it: each event's
+    SSE id (``""`` for none) and data, to the end, or until ``until_pieces``
+    chunks with text came (then the client drops)."""
+    read: list[tuple[str, str]] = []
+    pieces = 0
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=300) as stream:
+        assert stream.status_code == 200, stream.read()
+        event_id = ""
+        for line in stream.iter_lines():
+            if line.startswith("id: "):
+                event_id = line[4:]
+            elif line.startswith("data: "):
+                read.append((event_id, line[6:]))
+                event_id = ""
+                if line != "data: [DONE]" and piece_of(json.loads(line[6:])):
+                    pieces += 1
+                    if pieces == until_pieces:
+                        break
+    return read
+
+
+def piece_of(chunk: dict[str, Any]) -> str:
+    """A chunk's text (a chat's content, a completion's text)."""
+    return "".join(
+        (c.get("delta") or {}).get("content") or "" if "delta" in c else c.get("text") or ""
+        for c in chunk.get("choices") or []
+    )

@@ -16,6 +16,7 @@ from openai import OpenAI
 
 from tests.conftest import MODEL, Served, start_gateway, stop_serve
 from tests.harness.postgres_server import PostgresServer
+from tests.integration.streams import events_with_ids
 
 ASK = {"model": MODEL, "max_output_tokens": 12, "temperature": 0}
 
@@ -204,24 +205,11 @@ def test_a_resumable_chat_stream_resumes_with_last_event_id_through_another_repl
         "temperature": 0,
         "stream": True,
     }
-    read: list[tuple[str, str]] = []
-
-    def take(gateway: Served, headers: dict[str, str], drop: bool) -> None:
-        url = f"{gateway.base_url}/v1/chat/completions"
-        with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as stream:
-            assert stream.status_code == 200, stream.read()
-            event_id = ""
-            for line in stream.iter_lines():
-                if line.startswith("id: "):
-                    event_id = line[4:]
-                elif line.startswith("data: "):
-                    read.append((event_id, line[6:]))
-                    event_id = ""
-                    if drop and '"content":"' in line and '"content":""' not in line:
-                        return  # the client drops after its first text
-
-    take(first, {"x-llmgate-resumable": "true"}, drop=True)
-    take(second, {"last-event-id": read[-1][0]}, drop=False)
+    url = f"{first.base_url}/v1/chat/completions"
+    # The client drops after its first text, and resumes through the other.
+    read = events_with_ids(url, body, {"x-llmgate-resumable": "true"}, until_pieces=1)
+    again = f"{second.base_url}/v1/chat/completions"
+    read += events_with_ids(again, body, {"last-event-id": read[-1][0]})
     assert [int(i.split(":")[1]) for i, _ in read[:-1]] == list(range(len(read) - 1))
     assert read[-1] == ("", "[DONE]")
     chunks = [json.loads(data) for _, data in read[:-1]]
