@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import msgspec
-
 from gateway.state.background import RESPONSES_PATH
 
 # A Responses stream's last event, and the status it gives the response.
@@ -30,8 +28,6 @@ DONE = b"data: [DONE]\n\n"
 
 class ResponsesKind:
     """The Responses API's events (``gateway.background`` responses)."""
-
-    records = True
 
     @staticmethod
     def said(event: dict[str, Any]) -> object:
@@ -77,8 +73,6 @@ class ResponsesKind:
 
 class ChunksKind:
     """Chat or completion chunks, ending with ``[DONE]``."""
-
-    records = False
 
     @staticmethod
     def said(event: dict[str, Any]) -> object:
@@ -126,7 +120,3 @@ Kind = ResponsesKind | ChunksKind
 
 def kind_of(path: str) -> Kind:
     return ResponsesKind() if path == RESPONSES_PATH else ChunksKind()
-
-
-def encode(event: dict[str, Any]) -> bytes:
-    return msgspec.json.encode(event)

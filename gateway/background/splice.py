@@ -37,11 +37,6 @@ class Splice:
         # This run's item ids -> those the client already saw.
         self.renamed: dict[str, str] = {}
 
-    @property
-    def after(self) -> int:
-        """The number of the last event sent before this run."""
-        return len(self.sent) - 1
-
     def take(self, event: dict[str, Any]) -> dict[str, Any] | None:
         """The event to send (its number set), or None if it was sent already."""
         seq = self.seq
