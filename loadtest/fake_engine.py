@@ -130,6 +130,7 @@ class FakeEngine:
         self.kv_events_port = 0
         self.kv_replay_port = 0
         self.kv_block_size = 0
+        self.loras: dict[str, Any] = {}
 
     async def start(self) -> None:
         return None

@@ -35,7 +35,8 @@ computed/floor per policy and gateway count goes beside the table
 (``fleet.png``). Every figure is SIMULATED: engines, caches and
 times are a model; only the gateway and its policies are real.
 
-Results go to ``loadtest/results/<UTC time>-fleet/``.
+Results go to ``loadtest/results/<UTC time>-fleet/``, each run's per-engine
+counts beside them (``engines-<workload>-<policy>-<gateways>.json``).
 """
 
 from __future__ import annotations
@@ -470,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
                             drive(urls, streams, args.clients, args.max_tokens, fleet, churn)
                         )
                         stats = fleet.ask("stats")
+                        # Each engine's counts, for telling which one was busiest and why.
+                        engines_file = run_dir / f"engines-{workload}-{policy}-{count}.json"
+                        engines_file.write_text(json.dumps(stats, indent=1))
                         result = summarize(workload, policy, count, stats, ttfts, errors, seconds)
                         results.append(result)
                         print(format_table([result]).splitlines()[-1], flush=True)

@@ -229,7 +229,7 @@ def decision(args: argparse.Namespace) -> dict[str, Any] | None:
     ]
     kv = SimpleNamespace(index=index, block_size=lambda address: size)
     policy = CacheAware(
-        SimpleNamespace(kv=kv, tokenizers={"m": tokenizer}),  # type: ignore[arg-type]
+        SimpleNamespace(kv=kv, tokenizers={"m": tokenizer}, adapters={}),  # type: ignore[arg-type]
         PrefixAffinity(),
     )
     shared = document()

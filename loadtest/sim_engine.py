@@ -150,6 +150,7 @@ class SimEngine:
         self.max_model_len = 1 << 20
         self.kv_events_port = events_port
         self.kv_block_size = model.block_size
+        self.loras: dict[str, Any] = {}
         self.floor = floor
         self.counts = Counts()
         self.running = 0

@@ -115,6 +115,9 @@ class Tokenizer(_Message, tag="tokenizer"):
     tokenizer_json: str
     chat_template: str
     special_tokens: dict[str, str]
+    # The LoRA adapter ``model`` names, as its engine's KV cache events name it
+    # (vLLM's ``lora_name``); "" for a base model: its blocks are keyed apart.
+    lora: str = ""
 
 
 class TopLogprob(msgspec.Struct, array_like=True, gc=False):
@@ -240,6 +243,9 @@ class Heartbeat(_Message, tag="hb"):
     # (``Ping.farewell``), so none loses its last frames to the closing
     # connection (a gateway's link drops what it has not read when it does).
     farewell: bool = False
+    # Gateway processes it has heard from lately: each of them routes blind to
+    # the others' requests of the last heartbeat interval (gateway ``kv``).
+    gateways: int = 0
 
 
 # gateway -> worker: Generate (a request to run), Abort (stop these requests:

@@ -9,7 +9,7 @@ inheriting anything of vLLM's.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
 from shared import protocol
@@ -33,6 +33,11 @@ class ModelEngine(Protocol):
     kv_events_port: int
     kv_replay_port: int
     kv_block_size: int
+
+    @property
+    def loras(self) -> Mapping[str, Any]:
+        """Its LoRA adapters by name (``served_model_names`` holds them too)."""
+        ...
 
     async def start(self) -> None:
         """Ready what requests need beyond the model (vLLM's server app)."""

@@ -116,6 +116,7 @@ class Liveness:
             kv_events_port=self.engine.kv_events_port,
             kv_replay_port=self.engine.kv_replay_port,
             kv_block_size=self.engine.kv_block_size,
+            gateways=len(self.router.gateways),
         )
 
     async def heartbeats(self) -> None:

@@ -216,6 +216,7 @@ class WorkerServer:
                 tokenizer_json=tokenizer_json,
                 chat_template=chat_template,
                 special_tokens=special_tokens,
+                lora=model if model in self.engine.loras else "",
             ),
         )
 

@@ -55,6 +55,8 @@ class Worker:
     others: int = 0
     # Most requests it runs at once (vLLM's max_num_seqs).
     capacity: int = 0
+    # Gateway processes it serves, this one included (its last heartbeat).
+    gateways: int = 1
     # Its model's context in tokens (what a request without max_tokens may reach).
     max_model_len: int = 0
     system_fingerprint: str | None = None
@@ -131,6 +133,10 @@ class Workers:
         # workers asked for their tokenizers, megabytes each.
         self.wants_tokenizers = False
         self.tokenizers: dict[str, PromptTokenizer] = {}
+        # Models that are LoRA adapters -> the name their KV events carry.
+        self.adapters: dict[str, str] = {}
+        # One tokenizer for the models that share it (a base and its adapters).
+        self._loaded: dict[tuple[str, str, tuple[tuple[str, str], ...]], PromptTokenizer] = {}
         self._described: set[tuple[str, str]] = set()
         self._curve = curve_keys.gateway_curve(settings)  # None: plaintext links
         self._link_events = LinkEvents(self._dispatch, self._on_disconnect, self._on_connect)
@@ -265,6 +271,7 @@ class Workers:
         # in_flight already knows exactly and at once: keep only the rest.
         worker.others = max(0, beat.running + beat.waiting - worker.in_flight)
         worker.capacity = beat.capacity
+        worker.gateways = max(1, beat.gateways)
         self._any_healthy.set()
         labels = worker.key
         metrics.WORKER_HEALTHY.labels(labels).set(1)
@@ -286,13 +293,24 @@ class Workers:
     def _tokenizer(self, address: str, described: protocol.Tokenizer) -> None:
         if described.model in self.tokenizers:
             return
-        try:
-            self.tokenizers[described.model] = PromptTokenizer(described)
-        except Exception as exc:  # a tokenizer or template this process cannot load
-            log.warning(
-                "worker %s's tokenizer for %s does not load here: %s", address, described.model, exc
-            )
-            return
+        source = (
+            described.tokenizer_json,
+            described.chat_template,
+            tuple(sorted(described.special_tokens.items())),
+        )
+        tokenizer = self._loaded.get(source)
+        if tokenizer is None:
+            try:
+                tokenizer = self._loaded[source] = PromptTokenizer(described)
+            except Exception as exc:  # a tokenizer or template this process cannot load
+                log.warning(
+                    "worker %s's tokenizer for %s does not load here: %s",
+                    *(address, described.model, exc),
+                )
+                return
+        if described.lora:
+            self.adapters[described.model] = described.lora
+        self.tokenizers[described.model] = tokenizer
         log.info("tokenizing %s's prompts as worker %s's engine does", described.model, address)
 
     def _on_connect(self, link: WorkerLink) -> None:

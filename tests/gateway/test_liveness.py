@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgspec
 import pytest
 from prometheus_client import REGISTRY
 
@@ -24,6 +25,7 @@ from gateway.dispatch.policies import make_policy
 from gateway.dispatch.pool import Pool
 from gateway.dispatch.work import WorkOrder
 from gateway.dispatch.workers import Worker, Workers
+from loadtest.sim_engine import described_tokenizer
 from shared import protocol
 from shared.settings import LinkSettings
 from tests.gateway import test_pool as pool_tests
@@ -353,3 +355,24 @@ def test_only_a_kv_gateway_asks_the_workers_for_their_tokenizer(workers: Workers
     make_policy("kv", 1.25, 2, workers)
     workers.on_heartbeat(state, beat)
     assert [m.model for m in state.link.sent if isinstance(m, protocol.Describe)] == ["m"]
+
+
+def test_a_heartbeat_says_how_many_gateways_share_the_worker(workers: Workers) -> None:
+    state, _ = worker(workers)
+    workers.on_heartbeat(state, protocol.Heartbeat("a", "one", ["m"], gateways=8))
+    assert state.gateways == 8
+    # A worker of before the count (0): this gateway alone, as far as it knows.
+    workers.on_heartbeat(state, protocol.Heartbeat("a", "one", ["m"]))
+    assert state.gateways == 1
+
+
+def test_an_adapter_shares_its_base_models_tokenizer_and_is_keyed_apart(
+    workers: Workers,
+) -> None:
+    base = described_tokenizer()
+    adapter = msgspec.structs.replace(base, model="m-lora", lora="m-lora")
+    workers._tokenizer("tcp://10.0.0.1:5550", base)
+    workers._tokenizer("tcp://10.0.0.1:5550", adapter)
+    # One tokenizer loaded for both (an adapter pool may serve dozens).
+    assert workers.tokenizers["m-lora"] is workers.tokenizers[base.model]
+    assert workers.adapters == {"m-lora": "m-lora"}

@@ -34,6 +34,7 @@ from tests.conftest import (
 from tests.harness import prestart
 from tests.integration.lora import write_zero_lora
 from tests.integration.test_pool import metric
+from tests.integration.test_prompt_tokens import described
 
 pytestmark = pytest.mark.slow
 
@@ -173,6 +174,18 @@ def test_a_lora_adapter_the_workers_serve_is_a_model_of_its_own(pools: Served) -
     base = "smollm2-f32" if response.headers["x-llmgate-pool"] == "large" else "smollm2-bf16"
     plain = post(pools, {**body, "model": base})
     assert response.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+
+
+def test_a_worker_names_its_adapter_for_the_kv_index(pools: Served) -> None:
+    """A worker gives a gateway its adapter's tokenizer (the base model's) with the
+    name its engine's KV events carry for the adapter's blocks (vLLM's
+    ``lora_name``, the adapter's ``--lora-modules`` name): the kv policy keys
+    the adapter's prompts apart from the base model's."""
+    adapter = described(pools, LORA)
+    assert adapter.model == LORA and adapter.lora == LORA
+    base = described(pools, "smollm2-bf16")
+    assert base.lora == ""
+    assert adapter.tokenizer_json == base.tokenizer_json
 
 
 def test_an_unknown_model_is_a_404(pools: Served) -> None:

@@ -19,15 +19,15 @@ MESSAGES = [
 ]
 
 
-def described(served: Served) -> protocol.Tokenizer:
-    """Ask the session's worker for its tokenizer, as a gateway does."""
+def described(served: Served, model: str = MODEL) -> protocol.Tokenizer:
+    """Ask the served system's first worker for ``model``'s tokenizer, as a gateway does."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, b"gw-tokens-test")
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(served.worker_addresses(1))
-        sock.send(protocol.encoder().encode(protocol.Describe(model=MODEL)))
+        sock.send(protocol.encoder().encode(protocol.Describe(model=model)))
         decode = protocol.gateway_decoder().decode
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

@@ -64,11 +64,14 @@ async def test_a_disconnected_gateways_requests_are_aborted_at_once(
             sock.connect(address)
             sock.send(protocol.encoder().encode(generate("r1", 100_000)))
         await until(lambda: len(server.requests) == 2)
+        # Its heartbeats tell each gateway how many it serves (gateway's kv policy).
+        assert server.liveness.heartbeat().gateways == 2
         with caplog.at_level(logging.WARNING, logger="worker.liveness"):
             gateways.pop(b"gw-leaves").close(0)
             await until(lambda: (b"gw-leaves", "r1") not in server.requests)
         assert list(server.requests) == [(b"gw-stays", "r1")]
         assert list(server.gateways) == [b"gw-stays"]
+        assert server.liveness.heartbeat().gateways == 1
         assert "gateway b'gw-leaves' disconnected: aborting 1 requests" in caplog.text
     finally:
         for sock in gateways.values():

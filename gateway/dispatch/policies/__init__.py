@@ -122,5 +122,10 @@ class CacheView(Protocol):
     @property
     def tokenizers(self) -> Mapping[str, PromptTokenizer]: ...
 
+    @property
+    def adapters(self) -> Mapping[str, str]:
+        """Models that are LoRA adapters -> the name their engines' KV events carry."""
+        ...
+
 
 POLICY_NAMES = ("least-load", "prefix", "round-robin", "kv")

@@ -18,9 +18,11 @@ so every replica places it alike: the key is the client's hint if it gave
 one, else the prompt's leading blocks (so a document's first questions,
 sent before any event says where it went, land together). A placement is
 remembered with the worker's incarnation (a worker that restarted is not
-chosen for what it held before). Requests it cannot tokenize (a model whose tokenizer
-no worker sent, an adapter's, vLLM's own routes) or that reach workers with
-no KV events are ``prefix``'s.
+chosen for what it held before). A LoRA adapter's prompt is keyed from the
+adapter's name, as the index keys its blocks: an adapter and its base model
+never share a cached run. Requests it cannot tokenize (a model whose tokenizer
+no worker sent, vLLM's own routes) or that reach workers with no KV events
+are ``prefix``'s.
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ HOT_REQUESTS = 8.0
 # Blocks between the points a request is counted at (at vLLM's 16 tokens a
 # block, every 64 tokens), and at each block past the last of them.
 HOT_STRIDE = 4
+# Seconds after which this replica's placement of a prompt nothing holds counts
+# half as much, for the room other replicas are taken to use alike on the same
+# worker: the heartbeat interval, in which their requests become known.
+PLACING_HALF_LIFE = 1.0
 # Characters of a prompt tokenized afresh to see whether any engine holds its
 # start (about 450 tokens of English text): at least PLACEMENT_BLOCKS blocks.
 PROBE_CHARS = 2048
@@ -75,6 +81,8 @@ class CacheAware:
         self._placed: OrderedDict[str, tuple[str, str]] = OrderedDict()
         # How much of the recent traffic each cached run brought.
         self._heat = Heat()
+        # This replica's placements lately, per (placement key, worker).
+        self._placing = Heat(PLACING_HALF_LIFE)
         self._rng = random.Random()
 
     def select(self, context: RoutingContext) -> Worker:
@@ -95,7 +103,7 @@ class CacheAware:
             top = held.get(best.address, 0)
             if top:
                 return self._spread(best, top, chain, held, under, context)
-        return self._place(under, placement, context)
+        return self._place(under, placement, bound, context)
 
     def _spread(
         self,
@@ -187,6 +195,9 @@ class CacheAware:
         if start is None:
             return None
         tokens, cut = start
+        # An adapter's blocks are its own: keyed from its name, as the index keys
+        # what its engines store for it.
+        lora = self.caches.adapters.get(context.model)
         index = self.caches.kv.index
         held: dict[str, int] = {}
         chain: tuple[int, list[int]] | None = None
@@ -195,7 +206,7 @@ class CacheAware:
         for size in sorted(sizes):
             # The word a cut falls in may tokenize otherwise than in the whole:
             # the last block before the cut is left out.
-            keys = block_keys(tokens[: len(tokens) - size] if cut else tokens, size)
+            keys = block_keys(tokens[: len(tokens) - size] if cut else tokens, size, lora)
             if not keys:
                 continue
             placement = placement or f"kv:{keys[min(len(keys), PLACEMENT_BLOCKS) - 1]}"
@@ -204,7 +215,7 @@ class CacheAware:
                 if whole is None:
                     rest = prompt_tokens(tokenizer, order.kind, order.params)
                     whole = rest[0] if rest is not None else tokens
-                keys = block_keys(whole, size)
+                keys = block_keys(whole, size, lora)
                 found = index.match(keys)
             chain = chain or (size, keys)
             for address, depth in found.items():
@@ -213,26 +224,48 @@ class CacheAware:
             return None  # shorter than a block: nothing to find
         return held, placement, chain
 
-    def _place(self, under: list[Worker], key: str, context: RoutingContext) -> Worker:
-        """Nothing of the prompt is cached within the bound: its placement, or a new one."""
+    def _place(self, under: list[Worker], key: str, bound: int, context: RoutingContext) -> Worker:
+        """Nothing of the prompt is cached within the bound: its placement, or a new one.
+
+        Every replica places a key on the same worker, and none sees the
+        others' requests there until the worker's next heartbeat: a burst of
+        one new prompt (a system prompt turning hot at once) would reach that
+        worker from every replica, each filling the bound as if alone. So a
+        worker counts, for the key, this replica's own placements of it lately
+        (``PLACING_HALF_LIFE``) as many times as there are gateway processes
+        (the worker's heartbeat says how many): past the bound, the key's
+        next worker by rendezvous hashing takes the request, alike in every
+        replica, until the events say who holds the prompt. Behind one gateway
+        this is the plain bound."""
         if not under:
             return self.affinity.select(context)  # every worker at the bound
         home = self._placed.get(key)
-        if home is not None:
-            for worker in under:
-                if (worker.address, worker.incarnation) == home:
-                    self._placed.move_to_end(key)
-                    return worker
+        placed = next((w for w in under if (w.address, w.incarnation) == home), None)
+        if placed is not None and self._room(placed, key, bound):
+            self._placed.move_to_end(key)
+            self._placing.count(hash((key, placed.address)))
+            return placed
         # By rendezvous hashing alone, load aside within the bound: every replica
         # places a new document on the same worker, though its view of the
         # load differs (two gateways that each chose the less loaded computed
         # many documents on both workers).
-        chosen = max(under, key=lambda w: score(key, w.key))
-        self._placed[key] = (chosen.address, chosen.incarnation)
-        self._placed.move_to_end(key)
-        if len(self._placed) > REMEMBERED_KEYS:
-            self._placed.popitem(last=False)
+        ranked = sorted(under, key=lambda w: score(key, w.key), reverse=True)
+        chosen = next((w for w in ranked if self._room(w, key, bound)), ranked[0])
+        self._placing.count(hash((key, chosen.address)))
+        if placed is None and chosen is ranked[0]:
+            # Remembered: not a burst's overflow, which lasts until events come.
+            self._placed[key] = (chosen.address, chosen.incarnation)
+            self._placed.move_to_end(key)
+            if len(self._placed) > REMEMBERED_KEYS:
+                self._placed.popitem(last=False)
         return chosen
+
+    def _room(self, worker: Worker, key: str, bound: int) -> bool:
+        """Whether ``worker`` has room for one more request of ``key``, counting this
+        replica's recent placements of the key there once for each other gateway."""
+        others = worker.gateways - 1
+        unseen = others * self._placing.peek(hash((key, worker.address))) if others else 0.0
+        return load(worker) + 1 + unseen <= bound
 
 
 class Heat:

@@ -25,6 +25,7 @@ from shared.embedded import default_model_dir
 
 BLOCK = 16
 MODEL = "m"
+ADAPTER = "m-lora"
 _hashes = itertools.count(1)
 
 
@@ -64,27 +65,34 @@ class Fleet:
         ]
         self.index = KvIndex()
         kv = SimpleNamespace(index=self.index, block_size=lambda address: block)
-        tokenizers = {MODEL: tokenizer} if tokenizer is not None else {}
+        # The adapter shares its base model's tokenizer, as its workers send it.
+        tokenizers = {MODEL: tokenizer, ADAPTER: tokenizer} if tokenizer is not None else {}
+        adapters = {ADAPTER: ADAPTER}
         self.policy = CacheAware(
-            SimpleNamespace(kv=kv, tokenizers=tokenizers),  # type: ignore[arg-type]
+            SimpleNamespace(kv=kv, tokenizers=tokenizers, adapters=adapters),  # type: ignore[arg-type]
             PrefixAffinity(1.25, 2),
         )
         self.reference = reference
 
-    def cached(self, worker: Worker, messages: list[dict[str, Any]]) -> None:
-        """``worker``'s engine stored the full blocks of ``messages``' prompt."""
+    def cached(
+        self, worker: Worker, messages: list[dict[str, Any]], lora: str | None = None
+    ) -> None:
+        """``worker``'s engine stored the full blocks of ``messages``' prompt (run with
+        the adapter ``lora``)."""
         text = self.reference.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False
         )
         tokens = self.reference(text, add_special_tokens=False)["input_ids"]
         full = len(tokens) // BLOCK * BLOCK
         hashes = [next(_hashes) for _ in range(full // BLOCK)]
-        stored = BlockStored(hashes, None, tokens[:full], BLOCK)
+        stored = BlockStored(hashes, None, tokens[:full], BLOCK, lora_name=lora)
         self.index.apply(worker.address, EventBatch(0.0, [stored]))
 
-    def route(self, messages: list[dict[str, Any]], key: str | None = None) -> Worker:
-        order = WorkOrder("r", "chat", MODEL, {"messages": messages}, key=key, hinted=bool(key))
-        return self.policy.select(RoutingContext(self.workers, key, MODEL, order))
+    def route(
+        self, messages: list[dict[str, Any]], key: str | None = None, model: str = MODEL
+    ) -> Worker:
+        order = WorkOrder("r", "chat", model, {"messages": messages}, key=key, hinted=bool(key))
+        return self.policy.select(RoutingContext(self.workers, key, model, order))
 
 
 def chat(document: str, question: str) -> list[dict[str, Any]]:
@@ -306,3 +314,47 @@ def test_a_replica_evens_out_its_own_share_of_a_hot_prompt(
     fleet.workers[2].in_flight += 1
     follow_up = [*history, {"role": "user", "content": "And the next one?"}]
     assert fleet.route(follow_up) is fleet.workers[2]
+
+
+def burst(fleet: Fleet, gateways: int, questions: list[str]) -> list[str]:
+    """Where a replica sends ``questions`` on DOC_B, nothing of it held, none ending,
+    its workers each serving ``gateways`` gateway processes."""
+    for worker in fleet.workers:
+        worker.gateways = gateways
+    chosen = []
+    for question in questions:
+        worker = fleet.route(chat(DOC_B, question))
+        worker.in_flight += 1
+        chosen.append(worker.address)
+    return chosen
+
+
+def test_a_burst_of_a_new_prompt_behind_many_gateways_takes_one_worker_each(
+    tokenizer: PromptTokenizer, reference: Any
+) -> None:
+    """Eight gateway processes place a prompt nothing holds on the same worker, and
+    none sees the others' requests until a heartbeat: one more from this replica
+    there stands for one more from each. So a burst goes one a worker, in the
+    same order in every replica, until the events say who holds the prompt."""
+    first = burst(Fleet(tokenizer, reference=reference, n=4), 8, [f"Q{i}?" for i in range(4)])
+    assert len(set(first)) == 4, first
+    # Another replica, its own requests not yet there, ranks the workers alike.
+    replica = Fleet(tokenizer, reference=reference, n=4)
+    assert burst(replica, 8, [f"Its question {i}?" for i in range(4)]) == first
+    # Behind one gateway the burst stays together, up to the plain bound.
+    alone = Fleet(tokenizer, reference=reference, n=4)
+    assert len(set(burst(alone, 1, ["Alone 0?", "Alone 1?"]))) == 1
+
+
+def test_an_adapters_prompt_goes_where_the_adapter_ran_it_not_the_base(
+    tokenizer: PromptTokenizer, reference: Any
+) -> None:
+    """The same prompt under a LoRA adapter is another cached run (vLLM keys its
+    blocks by the adapter): each goes to the worker that ran it so."""
+    fleet = Fleet(tokenizer, reference=reference, n=3)
+    base, adapted = fleet.workers[0], fleet.workers[1]
+    fleet.cached(base, chat(DOC_A, "Warm-up."))
+    fleet.cached(adapted, chat(DOC_A, "Warm-up."), lora=ADAPTER)
+    base.in_flight = adapted.in_flight = 1  # busier than the third: the caches win
+    assert fleet.route(chat(DOC_A, "Under the adapter?"), model=ADAPTER) is adapted
+    assert fleet.route(chat(DOC_A, "Under the base model?")) is base
