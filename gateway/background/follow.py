@@ -6,8 +6,10 @@
 then each new one as it is stored, and the stream ends after the last (it
 has ended: completed, incomplete, failed or cancelled), framed as its kind
 frames them (``gateway.background.kinds``). The process that runs it tells
-its readers at once (:class:`Notices`); a reader on another replica looks
-every ``POLL_SECONDS``.
+its readers at once (:class:`Notices`); so do the store's notifications on
+PostgreSQL (``gateway.background.listen``), for a reader on another replica.
+Without them a reader looks every ``POLL_SECONDS``, and with them every
+``LISTENING_POLL_SECONDS``, in case one is lost.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from gateway.state import State
 from gateway.state.background import ENDED
 
 POLL_SECONDS = 0.25
+LISTENING_POLL_SECONDS = 5.0
 
 
 class Notices:
@@ -28,13 +31,26 @@ class Notices:
 
     def __init__(self) -> None:
         self._waiting: dict[str, set[asyncio.Event]] = {}
+        # Whether the store's notifications reach this process (listen.py).
+        self.listening = False
+
+    @property
+    def poll_seconds(self) -> float:
+        """Longest a reader waits before it looks at the store anyway."""
+        return LISTENING_POLL_SECONDS if self.listening else POLL_SECONDS
 
     def tell(self, response_id: str) -> None:
         for event in self._waiting.get(response_id, ()):
             event.set()
 
-    async def wait(self, response_id: str, most: float) -> None:
-        """Until this process stores an event of ``response_id``, or ``most`` seconds."""
+    def tell_all(self) -> None:
+        for waiting in self._waiting.values():
+            for event in waiting:
+                event.set()
+
+    async def wait(self, response_id: str, most: float) -> bool:
+        """Until this process is told of an event of ``response_id`` (True), or
+        ``most`` seconds (False)."""
         event = asyncio.Event()
         waiting = self._waiting.setdefault(response_id, set())
         waiting.add(event)
@@ -42,6 +58,7 @@ class Notices:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(most):
                     await event.wait()
+            return event.is_set()
         finally:
             waiting.discard(event)
             if not waiting:
@@ -80,7 +97,7 @@ async def follow(
                 yield closing
             return
         if not events:
-            await notices.wait(response_id, POLL_SECONDS)
+            await notices.wait(response_id, notices.poll_seconds)
         read = await store.call(store.background.events, response_id, after, viewer, path)
         if read is None:
             return  # expired, or deleted, under the reader

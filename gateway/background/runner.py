@@ -36,11 +36,12 @@ from gateway.api.inner import own_request
 from gateway.api.responses import Record
 from gateway.background.follow import Notices
 from gateway.background.kinds import kind_of
+from gateway.background.listen import listen
 from gateway.background.splice import Diverged, Splice
 from gateway.context import RequestContext
 from gateway.state import State, Unavailable
 from gateway.state.background import Claimed
-from gateway.state.db import owner_name
+from gateway.state.db import POSTGRES_CONNECT_ARGS, owner_name
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +82,21 @@ class Runner:
         self._wake = asyncio.Event()
         self._renewed = 0.0
         self._task: asyncio.Task[None] | None = None
+        self._listener: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="background runner")
+        db = self.state.db
+        if db.postgres:
+            # Other replicas' stored events wake this one's readers at once.
+            listening = listen(db.conninfo(), POSTGRES_CONNECT_ARGS, self.notices)
+            self._listener = asyncio.create_task(listening, name="background notifications")
 
     async def stop(self) -> None:
         """Stop, and give the leases back: another replica (or this gateway's
         next start) goes on with those responses."""
-        tasks = [*self._tasks, *([self._task] if self._task else [])]
+        started = (self._task, self._listener)
+        tasks = [*self._tasks, *(task for task in started if task is not None)]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -11,6 +11,8 @@ same transaction). A replica that dies leaves a lease that lapses; another
 claims the response and gets the events already stored, to go on after them.
 Readers (``events``) get the events after a sequence number and the status
 read in the same transaction: an ended status means no event will follow.
+On PostgreSQL an append also notifies ``CHANNEL`` with the response's id, at
+its commit (``gateway.background.listen`` wakes the readers of every replica).
 Owners as everywhere in ``gateway.state``: a viewer sees its own only.
 """
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from sqlalchemy import ColumnElement, Select, and_, delete, insert, or_, select, update
+from sqlalchemy import ColumnElement, Select, and_, delete, func, insert, or_, select, update
 
 from gateway.state.db import Database
 from gateway.state.response_store import IdTaken, Responses
@@ -34,6 +36,8 @@ ENDED = frozenset({"completed", "incomplete", "failed", "cancelled"})
 
 
 RESPONSES_PATH = routes.RESPONSES.path
+# PostgreSQL's notification channel for "events stored", the payload a response's id.
+CHANNEL = "llmgate_background"
 
 
 @dataclass(frozen=True)
@@ -176,6 +180,8 @@ class Background:
                 db.execute(
                     update(responses).where(responses.c.id == response_id).values(record=record)
                 )
+            if self.db.postgres:
+                db.execute(select(func.pg_notify(CHANNEL, response_id)))
             return True
 
     def events(

@@ -44,6 +44,20 @@ SQLITE_NAME = "state.sqlite3"
 _UNREACHABLE = (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError)
 
 
+# A store that does not answer fails the call, not the gateway: at connect,
+# and on a link that goes silent mid-call (a network partition sends no
+# reset), where TCP keepalives and the user timeout end the call in about
+# 30 s instead of never.
+POSTGRES_CONNECT_ARGS: dict[str, Any] = {
+    "connect_timeout": 10,
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,
+}
+
+
 class Unavailable(Exception):
     """The state store cannot be reached (or answered with an error of its own)."""
 
@@ -63,18 +77,7 @@ class Database:
                 parsed.set(drivername="postgresql+psycopg"),
                 pool_pre_ping=True,
                 pool_size=4,
-                # A store that does not answer fails the call, not the gateway:
-                # at connect, and on a link that goes silent mid-call (a network
-                # partition sends no reset), where TCP keepalives and the user
-                # timeout end the call in about 30 s instead of never.
-                connect_args={
-                    "connect_timeout": 10,
-                    "keepalives": 1,
-                    "keepalives_idle": 10,
-                    "keepalives_interval": 5,
-                    "keepalives_count": 3,
-                    "tcp_user_timeout": 30_000,
-                },
+                connect_args=POSTGRES_CONNECT_ARGS,
             )
         else:
             directory.mkdir(parents=True, exist_ok=True)
@@ -104,6 +107,12 @@ class Database:
                 f"not {redact_url(url)!r}"
             )
         return parsed
+
+    def conninfo(self) -> str:
+        """The PostgreSQL store as libpq's URL, for a connection of its own (its
+        password in it: never logged)."""
+        url = self.engine.url.set(drivername="postgresql")
+        return url.render_as_string(hide_password=False)
 
     def close(self) -> None:
         self.engine.dispose()
