@@ -213,6 +213,7 @@ async def cancel_response(request: Request, response_id: str) -> Response:
         before, record = cancelled
         if before in OPEN:
             services.background.stop_one(response_id)  # if this process runs it
+            services.background.changed(response_id)  # its readers, on every replica
         elif before != "cancelled":
             raise errors.BadRequest(
                 f"Cannot cancel a response that has already ended ({before}).", "response_id"

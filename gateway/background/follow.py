@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 from gateway.background.kinds import Kind
 from gateway.state import State
 from gateway.state.background import ENDED
 
 POLL_SECONDS = 0.25
-LISTENING_POLL_SECONDS = 5.0
+# Kept short: a pooler in transaction mode takes LISTEN and delivers nothing.
+LISTENING_POLL_SECONDS = 1.0
 
 
 class Notices:
@@ -48,21 +49,33 @@ class Notices:
             for event in waiting:
                 event.set()
 
-    async def wait(self, response_id: str, most: float) -> bool:
-        """Until this process is told of an event of ``response_id`` (True), or
-        ``most`` seconds (False)."""
+    @contextlib.contextmanager
+    def watch(self, response_id: str) -> Iterator[asyncio.Event]:
+        """An event set whenever this process is told of ``response_id`` while in
+        the block: watched from before a read, no notice after it goes unseen."""
         event = asyncio.Event()
         waiting = self._waiting.setdefault(response_id, set())
         waiting.add(event)
         try:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(most):
-                    await event.wait()
-            return event.is_set()
+            yield event
         finally:
             waiting.discard(event)
             if not waiting:
                 self._waiting.pop(response_id, None)
+
+    async def wait(self, response_id: str, most: float) -> bool:
+        """Until this process is told of ``response_id`` (True), or ``most`` seconds
+        (False)."""
+        with self.watch(response_id) as told:
+            return await within(told, most)
+
+
+async def within(event: asyncio.Event, most: float) -> bool:
+    """Whether ``event`` is set within ``most`` seconds."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(most):
+            await event.wait()
+    return event.is_set()
 
 
 async def opened(
@@ -85,20 +98,24 @@ async def follow(
     """The events after ``after``, from ``first`` (an :func:`opened` read) on,
     to the stream's end."""
     status, events = first
-    while True:
-        for seq, data in events:
-            yield kind.frame(response_id, seq, data)
-            after = seq
-        # The status was read before the events, in one transaction: an
-        # ended one means every event was there to read.
-        if status in ENDED and not events:
-            closing = kind.closing(status)
-            if closing:
-                yield closing
-            return
-        if not events:
-            await notices.wait(response_id, notices.poll_seconds)
-        read = await store.call(store.background.events, response_id, after, viewer, path)
-        if read is None:
-            return  # expired, or deleted, under the reader
-        status, events = read
+    with notices.watch(response_id) as told:
+        # The first read came before the watch: the next one comes at once.
+        told.set()
+        while True:
+            for seq, data in events:
+                yield kind.frame(response_id, seq, data)
+                after = seq
+            # The status was read before the events, in one transaction: an
+            # ended one means every event was there to read.
+            if status in ENDED and not events:
+                closing = kind.closing(status)
+                if closing:
+                    yield closing
+                return
+            if not events:
+                await within(told, notices.poll_seconds)
+            told.clear()  # before the read: a notice after it wakes the next wait
+            read = await store.call(store.background.events, response_id, after, viewer, path)
+            if read is None:
+                return  # expired, or deleted, under the reader
+            status, events = read

@@ -83,19 +83,25 @@ class Runner:
         self._renewed = 0.0
         self._task: asyncio.Task[None] | None = None
         self._listener: asyncio.Task[None] | None = None
+        self._notifier: asyncio.Task[None] | None = None
+        # Responses with new events (or ended) that other replicas are yet to hear of.
+        self._changed: set[str] = set()
+        self._changes = asyncio.Event()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="background runner")
         db = self.state.db
         if db.postgres:
-            # Other replicas' stored events wake this one's readers at once.
+            # Other replicas' stored events wake this one's readers at once,
+            # and this one's wake theirs.
             listening = listen(db.conninfo(), POSTGRES_CONNECT_ARGS, self.notices)
             self._listener = asyncio.create_task(listening, name="background notifications")
+            self._notifier = asyncio.create_task(self._notify(), name="background notices out")
 
     async def stop(self) -> None:
         """Stop, and give the leases back: another replica (or this gateway's
         next start) goes on with those responses."""
-        started = (self._task, self._listener)
+        started = (self._task, self._listener, self._notifier)
         tasks = [*self._tasks, *(task for task in started if task is not None)]
         for task in tasks:
             task.cancel()
@@ -107,6 +113,27 @@ class Runner:
     def wake(self) -> None:
         """A response was created in this process: claim it now."""
         self._wake.set()
+
+    def changed(self, response_id: str) -> None:
+        """It has new events stored, or it ended: its readers here look now, and
+        (on PostgreSQL) those of other replicas once the store tells them."""
+        self.notices.tell(response_id)
+        if self._notifier is not None:
+            self._changed.add(response_id)
+            self._changes.set()
+
+    async def _notify(self) -> None:
+        """Tells the store what changed, a batch at a time: one notifying
+        transaction per batch, while the one before is under way."""
+        while True:
+            await self._changes.wait()
+            self._changes.clear()
+            changed, self._changed = self._changed, set()
+            try:
+                await asyncio.to_thread(self.state.background.notify, changed)
+            # Best effort: without the notice, other replicas' readers look on their own.
+            except Exception as exc:
+                log.debug("background streams: no notice sent (%s)", exc)
 
     def stop_one(self, response_id: str) -> None:
         """It was cancelled through this process: stop running it now."""
@@ -394,7 +421,7 @@ class Writer:
                     self.runner.stop_one(self.response_id)
                     return
                 first += len(events)
-                self.runner.notices.tell(self.response_id)
+                self.runner.changed(self.response_id)
                 if status:
                     return
             if self.closing and not self.pending:

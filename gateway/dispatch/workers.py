@@ -14,12 +14,14 @@ carries on, every token delivered, if it is heard from again.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
 import zmq
 from prometheus_client import Gauge
 
@@ -135,8 +137,9 @@ class Workers:
         self.tokenizers: dict[str, PromptTokenizer] = {}
         # Models that are LoRA adapters -> the name their KV events carry.
         self.adapters: dict[str, str] = {}
-        # One tokenizer for the models that share it (a base and its adapters).
-        self._loaded: dict[tuple[str, str, tuple[tuple[str, str], ...]], PromptTokenizer] = {}
+        # One tokenizer for the models that share it (a base and its adapters),
+        # by a digest of what it is made of (not the megabytes themselves).
+        self._loaded: dict[bytes, PromptTokenizer] = {}
         self._described: set[tuple[str, str]] = set()
         self._curve = curve_keys.gateway_curve(settings)  # None: plaintext links
         self._link_events = LinkEvents(self._dispatch, self._on_disconnect, self._on_connect)
@@ -293,11 +296,15 @@ class Workers:
     def _tokenizer(self, address: str, described: protocol.Tokenizer) -> None:
         if described.model in self.tokenizers:
             return
-        source = (
-            described.tokenizer_json,
-            described.chat_template,
-            tuple(sorted(described.special_tokens.items())),
-        )
+        source = hashlib.sha256(
+            msgspec.msgpack.encode(
+                [
+                    described.tokenizer_json,
+                    described.chat_template,
+                    sorted(described.special_tokens.items()),
+                ]
+            )
+        ).digest()
         tokenizer = self._loaded.get(source)
         if tokenizer is None:
             try:

@@ -11,8 +11,8 @@ same transaction). A replica that dies leaves a lease that lapses; another
 claims the response and gets the events already stored, to go on after them.
 Readers (``events``) get the events after a sequence number and the status
 read in the same transaction: an ended status means no event will follow.
-On PostgreSQL an append also notifies ``CHANNEL`` with the response's id, at
-its commit (``gateway.background.listen`` wakes the readers of every replica).
+On PostgreSQL, ``notify`` tells every replica's listener which responses
+have new events or ended (``gateway.background.listen``).
 Owners as everywhere in ``gateway.state``: a viewer sees its own only.
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from sqlalchemy import ColumnElement, Select, and_, delete, func, insert, or_, select, update
+from sqlalchemy import ColumnElement, Select, and_, delete, insert, or_, select, text, update
 
 from gateway.state.db import Database
 from gateway.state.response_store import IdTaken, Responses
@@ -38,6 +38,7 @@ ENDED = frozenset({"completed", "incomplete", "failed", "cancelled"})
 RESPONSES_PATH = routes.RESPONSES.path
 # PostgreSQL's notification channel for "events stored", the payload a response's id.
 CHANNEL = "llmgate_background"
+_NOTIFY = text("SELECT pg_notify(:channel, id) FROM unnest(CAST(:ids AS text[])) AS id")
 
 
 @dataclass(frozen=True)
@@ -180,8 +181,6 @@ class Background:
                 db.execute(
                     update(responses).where(responses.c.id == response_id).values(record=record)
                 )
-            if self.db.postgres:
-                db.execute(select(func.pg_notify(CHANNEL, response_id)))
             return True
 
     def events(
@@ -241,6 +240,16 @@ class Background:
                     update(responses).where(responses.c.id == response_id).values(record=record)
                 )
             return before, record
+
+    def notify(self, response_ids: Iterable[str]) -> None:
+        """On PostgreSQL: notify ``CHANNEL`` once for each of ``response_ids``, in one
+        transaction of its own. Not in each append's: PostgreSQL serializes the
+        commits of the transactions that notify, cluster-wide."""
+        ids = list(response_ids)
+        if not self.db.postgres or not ids:
+            return
+        with self.db.write() as db:
+            db.execute(_NOTIFY, {"channel": CHANNEL, "ids": ids})
 
     def release_all(self, runner: str) -> int:
         """Give back the leases ``runner`` holds (it stops): another replica goes on."""

@@ -236,7 +236,9 @@ class CacheAware:
         (the worker's heartbeat says how many): past the bound, the key's
         next worker by rendezvous hashing takes the request, alike in every
         replica, until the events say who holds the prompt. Behind one gateway
-        this is the plain bound."""
+        this is the plain bound. It takes the others to send the prompt as this
+        one does: a replica that alone sends a new document's questions at once
+        starts it on a second worker sooner than the plain bound would."""
         if not under:
             return self.affinity.select(context)  # every worker at the bound
         home = self._placed.get(key)

@@ -45,8 +45,12 @@ class Keyed:
             runner=SimpleNamespace(wake=lambda: None), max_file_bytes=settings.batch.max_file_bytes
         )
         # No background runner either: a background response stays queued.
+        notices = Notices()
         background = SimpleNamespace(
-            wake=lambda: None, stop_one=lambda response_id: None, notices=Notices()
+            wake=lambda: None,
+            stop_one=lambda response_id: None,
+            notices=notices,
+            changed=notices.tell,
         )
         self.api.services = SimpleNamespace(  # type: ignore[assignment]
             settings=settings,

@@ -95,6 +95,11 @@ async def test_a_background_response_is_its_keys_alone(
         async with gateway.client("team-a") as client:
             refused = await client.post("/v1/responses", json={**body, "store": False})
             assert refused.status_code == 400 and refused.json()["error"]["param"] == "store"
+            # An id of its own is kept short: the store's notices carry it.
+            for chosen in ("r" * 129, "two words"):
+                refused = await client.post("/v1/responses", json={**body, "request_id": chosen})
+                assert refused.status_code == 400
+                assert refused.json()["error"]["param"] == "request_id"
             made = await client.post("/v1/responses", json=body)
             assert made.status_code == 200, made.text
             response = made.json()
