@@ -76,11 +76,16 @@ def assign(scope: Scope) -> tuple[str, errors.BadRequest | None]:
     return rid, bad
 
 
+def fits(text: str) -> bool:
+    """Whether a client's id is 1 to 128 printable ASCII characters without spaces."""
+    return 0 < len(text) <= MAX_LENGTH and text.isascii() and text.isprintable() and " " not in text
+
+
 def check(value: bytes) -> str:
-    """A client's id as text; 400 unless it is 1 to 128 printable ASCII characters."""
-    if 0 < len(value) <= MAX_LENGTH and value.isascii():
+    """A client's id as text; 400 unless it :func:`fits`."""
+    if value.isascii():
         text = value.decode("ascii")
-        if text.isprintable() and " " not in text:
+        if fits(text):
             return text
     raise errors.BadRequest(
         f"X-Request-Id must be 1 to {MAX_LENGTH} printable ASCII characters without spaces."

@@ -29,6 +29,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp
 
 from gateway import errors
+from gateway.api import request_ids
 from gateway.api.auth import KeyRing
 from gateway.api.headers import STREAM_HEADERS
 from gateway.api.responses import Record, input_items
@@ -76,9 +77,11 @@ async def create(
         )
     chosen = body.get("request_id")
     response_id = chosen if isinstance(chosen, str) and chosen else f"resp_{uuid.uuid4().hex}"
-    if not _fits(response_id):
+    # Kept as short as X-Request-Id: the store's notices carry it.
+    if not request_ids.fits(response_id):
         raise errors.BadRequest(
-            f"`request_id` must be 1 to {MAX_ID} printable ASCII characters without spaces.",
+            f"`request_id` must be 1 to {request_ids.MAX_LENGTH} printable ASCII characters "
+            "without spaces.",
             "request_id",
         )
     wire = {k: v for k, v in body.items() if k not in ("background", "previous_response_id")}
@@ -150,16 +153,3 @@ async def events(
         return None
     body = follow(state, runner.notices, kind_of(path), path, stream_id, after, first, viewer)
     return StreamingResponse(body, media_type="text/event-stream", headers=STREAM_HEADERS)
-
-
-# The longest id a client may choose for a background response: as X-Request-Id.
-MAX_ID = 128
-
-
-def _fits(response_id: str) -> bool:
-    return (
-        len(response_id) <= MAX_ID
-        and response_id.isascii()
-        and response_id.isprintable()
-        and " " not in response_id
-    )
