@@ -142,9 +142,12 @@ async def read_plain(
     path: str,
     body: dict[str, Any],
     on_first_chunk: Callable[[], None] | None = None,
+    chars: int = 0,
 ) -> PlainStream:
     """POST a streaming completions or chat request (usage included) and read it
-    to its end: its text (a chat's content), usage, chunk ids and error event."""
+    to its end: its text (a chat's content), usage, chunk ids and error event.
+    ``on_first_chunk`` is called at its first chunk, or with ``chars`` once its
+    text has that many characters."""
     stream = PlainStream()
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     async with client.stream("POST", path, json=body) as response:
@@ -163,7 +166,7 @@ async def read_plain(
                     delta = choice.get("delta")
                     stream.text += (delta.get("content") or "") if delta else choice["text"]
                     stream.scored += scored_tokens(choice.get("logprobs"))
-                if on_first_chunk is not None:
+                if on_first_chunk is not None and len(stream.text) >= chars:
                     on_first_chunk()
                     on_first_chunk = None
     return stream

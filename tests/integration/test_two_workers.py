@@ -415,6 +415,7 @@ def test_streams_move_on_to_a_real_engine_when_their_worker_fails(
     survivor = two.worker_addresses(1)
     wait_healthy(two, survivor, timeout=240)
     tokens, streams = 24, 32
+    held_text = " fake fake"  # what the double sends before it holds a stream
 
     def chat(i: int) -> list[dict[str, str]]:
         return [{"role": "user", "content": f"Tell me story number {i}."}]
@@ -448,8 +449,16 @@ def test_streams_move_on_to_a_real_engine_when_their_worker_fails(
                 ) as client:
                     tasks = []
                     for i in range(streams):  # round-robin: every other one on the double
+                        # Both tokens the double sends before it holds the stream
+                        # reached the client: the kill cuts none of them in flight.
                         first = asyncio.Event()
-                        reading = read_plain(client, "/v1/chat/completions", greedy(i), first.set)
+                        reading = read_plain(
+                            client,
+                            "/v1/chat/completions",
+                            greedy(i),
+                            first.set,
+                            chars=len(held_text),
+                        )
                         tasks.append(asyncio.ensure_future(reading))
                         await asyncio.wait_for(first.wait(), 120)
                     if fault == "kill":
